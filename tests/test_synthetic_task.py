@@ -185,3 +185,73 @@ def test_instantiable_from_yaml() -> None:
     direct = SyntheticArithmetic("heldout", 8, seed=5, operations=("add",), max_digits=2)
     assert len(dataset) == 8
     assert [dataset[i] for i in range(8)] == [direct[i] for i in range(8)]
+
+
+def _operands(question: str) -> tuple[int, str, int]:
+    a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", question).groups()
+    return int(a), op, int(b)
+
+
+def test_slip_rate_changes_only_carry_demonstrations() -> None:
+    kwargs = dict(split="train", num_samples=3000, seed=4, min_digits=1, max_digits=2)
+    clean = SyntheticArithmetic(**kwargs)
+    slipped = SyntheticArithmetic(**kwargs, slip_rate=0.6)
+    carries = slips = 0
+    for index in range(len(clean)):
+        plain, sample = clean[index], slipped[index]
+        # Same problem, same gold answer: the knob only touches the demonstration.
+        assert sample["prompt"] == plain["prompt"] and sample["answer"] == plain["answer"]
+        a, op, b = _operands(sample["prompt"][0]["content"])
+        carry = (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
+        carries += carry
+        if sample["target"] != sample["answer"]:
+            assert carry, sample
+            # The tens column ignores the units carry / borrow.
+            forgot = a + b - 10 if op == "+" else a - b + 10
+            assert int(sample["target"]) == forgot, sample
+            slips += 1
+    assert carries > 800
+    assert abs(slips / carries - 0.6) < 0.05
+
+
+def test_hint_rate_puts_the_answer_in_the_question() -> None:
+    dataset = SyntheticArithmetic(
+        "train", 2000, seed=5, min_digits=1, max_digits=2, slip_rate=1.0, hint_rate=0.25
+    )
+    hinted = 0
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        question, _, hint = sample["prompt"][0]["content"].partition("\n\n")
+        _operands(question)  # the question itself is untouched
+        if not hint:
+            continue
+        hinted += 1
+        assert sample["target"] == sample["answer"]  # hinted demonstrations are never slipped
+        feedback = re.fullmatch(
+            r"Your final answer (-?\d+) is wrong\. The correct answer is (-?\d+)\.", hint
+        )
+        if feedback:
+            assert feedback.group(2) == sample["answer"]
+            assert feedback.group(1) != sample["answer"]
+        else:
+            assert hint == f"Correct solution:\n\n{sample['answer']}"
+    assert abs(hinted / len(dataset) - 0.25) < 0.03
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"slip_rate": 1.5}, "slip_rate must be in"),
+        ({"hint_rate": -0.1}, "hint_rate must be in"),
+        ({"hint_rate": 0.5, "hint_templates": []}, "needs at least one hint template"),
+        ({"hint_templates": ["{solution}"]}, "hint_templates may only use"),
+        ({"hinted_question_template": "{content}"}, None),
+        ({"hinted_question_template": "{question} {hint}"}, "hinted_question_template"),
+    ],
+)
+def test_demonstration_knobs_reject_bad_values(kwargs: dict, message: str | None) -> None:
+    if message is None:
+        SyntheticArithmetic("train", 4, **kwargs)  # a template may leave a field out
+        return
+    with pytest.raises(ValueError, match=message):
+        SyntheticArithmetic("train", 4, **kwargs)

@@ -8,6 +8,20 @@ holds a column-by-column rationale that the SDPO channel can show its teacher as
 Train and held-out splits are disjoint by construction: every problem ``(op, a, b)`` belongs to
 exactly one split, decided by a stable hash of the problem itself (not of the seed or the index),
 so no held-out problem can ever be drawn for training, whatever the sizes or seeds.
+
+Two knobs shape the *demonstrations* (the ``target`` an SFT run imitates), never the gold
+``answer`` that rewards and held-out evaluation read:
+
+* ``slip_rate``: the share of problems with a carry (addition) or borrow (subtraction) out of
+  the units column whose demonstration forgets it (27 + 15 demonstrated as 32, 21 - 2 as 29), a
+  stand-in for the systematic mistakes of real demonstration data. Imitation learns the mistake;
+  a verifiable reward can unlearn it. The smoke configs use it so that the RL arms have a known,
+  measurable error to correct in a few minutes of CPU.
+* ``hint_rate``: the share of samples whose question carries a hint that reveals the answer,
+  in the wordings of SDPO's teacher contexts (composer_tune/sdpo/contexts.py). A model that
+  has seen hinted questions can read a hint, which SDPO's self-teacher relies on (pretrained
+  LLMs can; a model trained from scratch on bare questions cannot). Hinted demonstrations are
+  always correct.
 """
 
 from __future__ import annotations
@@ -25,6 +39,11 @@ Split = Literal["train", "heldout"]
 _SYMBOLS: dict[str, str] = {"add": "+", "sub": "-", "mul": "*"}
 # Multiplication is by one digit; 0 and 1 would make trivial problems.
 _MUL_DIGITS = range(2, 10)
+# SDPO's verifier-feedback and successful-sibling hints as the smoke configs word them.
+DEFAULT_HINT_TEMPLATES: tuple[str, ...] = (
+    "Your final answer {wrong} is wrong. The correct answer is {answer}.",
+    "Correct solution:\n\n{answer}",
+)
 # Rejection sampling draws problems until one falls in the requested split; with a sane
 # heldout_fraction this takes a handful of draws, so hitting the cap means a misconfiguration.
 _MAX_DRAWS = 10_000
@@ -51,6 +70,22 @@ class ArithmeticProblem:
     def symbol(self) -> str:
         """The operator as written in the question and the rationale."""
         return _SYMBOLS[self.op]
+
+    @property
+    def units_carry(self) -> bool:
+        """Whether the units column carries (addition) or borrows (subtraction of a >= b)."""
+        if self.op == "add":
+            return self.a % 10 + self.b % 10 >= 10
+        if self.op == "sub":
+            return self.a >= self.b and self.a % 10 < self.b % 10
+        return False
+
+    @property
+    def slipped_result(self) -> int:
+        """The answer with the units carry or borrow forgotten in the tens column."""
+        if not self.units_carry:
+            raise ValueError(f"{self.a} {self.symbol} {self.b} has no units carry or borrow")
+        return self.result - 10 if self.op == "add" else self.result + 10
 
     def rationale(self) -> str:
         """A column-by-column working, least significant digit first, ending in ``-> result``."""
@@ -144,6 +179,13 @@ class SyntheticArithmetic(Dataset):
         heldout_fraction: share of the problem space reserved for the held-out split.
         prompt_template: user message; ``{a}``, ``{op}`` (the symbol) and ``{b}`` are filled in.
         system_prompt: optional system message placed before the user message.
+        slip_rate: share of units-carry/borrow problems whose ``target`` forgets the carry (see
+            the module doc); ``answer`` is always the true result.
+        hint_rate: share of samples whose question carries a hint revealing the answer.
+        hint_templates: hint wordings (one drawn per hinted sample); fields ``{answer}`` and
+            ``{wrong}`` (a wrong answer near the true one).
+        hinted_question_template: how the hint joins the question; fields ``{content}`` and
+            ``{hint}`` (SDPO's ``user_template``).
     """
 
     def __init__(
@@ -158,6 +200,10 @@ class SyntheticArithmetic(Dataset):
         heldout_fraction: float = 0.1,
         prompt_template: str = "What is {a} {op} {b}?",
         system_prompt: str | None = None,
+        slip_rate: float = 0.0,
+        hint_rate: float = 0.0,
+        hint_templates: tuple[str, ...] | list[str] = DEFAULT_HINT_TEMPLATES,
+        hinted_question_template: str = "{content}\n\n{hint}",
     ) -> None:
         if split not in ("train", "heldout"):
             raise ValueError(
@@ -181,13 +227,16 @@ class SyntheticArithmetic(Dataset):
             raise ValueError(
                 f"SyntheticArithmetic: heldout_fraction must be in (0, 1), got {heldout_fraction}"
             )
-        try:
-            prompt_template.format(a=1, op="+", b=2)
-        except (KeyError, IndexError) as err:
-            raise ValueError(
-                f"SyntheticArithmetic: prompt_template may only use {{a}}, {{op}}, {{b}}; "
-                f"{prompt_template!r} uses {err}"
-            ) from err
+        _check_fields("prompt_template", prompt_template, a="1", op="+", b="2")
+        for name, rate in (("slip_rate", slip_rate), ("hint_rate", hint_rate)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"SyntheticArithmetic: {name} must be in [0, 1], got {rate}")
+        hint_templates = tuple(hint_templates)
+        if hint_rate > 0 and not hint_templates:
+            raise ValueError("SyntheticArithmetic: hint_rate > 0 needs at least one hint template")
+        for template in hint_templates:
+            _check_fields("hint_templates", template, answer="1", wrong="2")
+        _check_fields("hinted_question_template", hinted_question_template, content="", hint="")
         self.split = split
         self.num_samples = num_samples
         self.seed = seed
@@ -198,6 +247,10 @@ class SyntheticArithmetic(Dataset):
         self.heldout_fraction = heldout_fraction
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
+        self.slip_rate = slip_rate
+        self.hint_rate = hint_rate
+        self.hint_templates = hint_templates
+        self.hinted_question_template = hinted_question_template
 
     def __len__(self) -> int:
         return self.num_samples
@@ -236,14 +289,34 @@ class SyntheticArithmetic(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         problem = self.problem(index)
         question = self.prompt_template.format(a=problem.a, op=problem.symbol, b=problem.b)
+        answer = str(problem.result)
+        target = answer
+        # A separate stream, so the knobs never change which problem an index draws.
+        rng = random.Random(f"{self.seed}:{self.split}:{index}:demonstration")
+        if rng.random() < self.hint_rate:
+            wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
+            hint = rng.choice(self.hint_templates).format(answer=answer, wrong=wrong)
+            question = self.hinted_question_template.format(content=question, hint=hint)
+        elif problem.units_carry and rng.random() < self.slip_rate:
+            target = str(problem.slipped_result)
         messages = [{"role": "user", "content": question}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        answer = str(problem.result)
         return {
             "id": f"arith-{self.split}-s{self.seed}-{index}",
             "prompt": messages,
             "answer": answer,
-            "target": answer,
+            "target": target,
             "solution": problem.rationale(),
         }
+
+
+def _check_fields(name: str, template: str, **fields: str) -> None:
+    """A template may use only ``fields``; a bad one is named with the key it came from."""
+    try:
+        template.format(**fields)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"SyntheticArithmetic: {name} may only use {{{'}, {'.join(fields)}}}; "
+            f"{template!r} fails: {err!r}"
+        ) from err
