@@ -289,6 +289,37 @@ def test_teacher_batch_slices_and_normalizer(tokenizer: Qwen3Tokenizer) -> None:
     assert reduced["sdpo/divergence"] == pytest.approx(per_micro[0]["sdpo/divergence"])
 
 
+def test_rows_without_a_verdict_are_judged_by_score(tokenizer: Qwen3Tokenizer) -> None:
+    """A reward that leaves ``correct`` None (e.g. a pure score) still gets sibling hints and
+    ``apply_to=failed``: the score is compared with ``success_threshold``, not read as False."""
+    rollouts = rollout_batch(tokenizer)
+    rollouts.correct_known = torch.tensor([False, False, False])
+    rollouts.correct = torch.tensor([False, False, False])
+    rollouts.group_ids = torch.zeros(3, dtype=torch.long)  # one group: row 0 is a sibling
+    cfg = channel_config()
+    cfg.context.sources = ["sibling"]
+    teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
+    # Row 0 scored 1.0 >= 0.5: a success, so no teacher for it; rows 1 and 2 get its answer.
+    assert teacher_batch.has_teacher.tolist() == [False, True, True]
+    cfg.context.success_threshold = 1.5  # now nobody succeeded: no sibling to show
+    teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
+    assert teacher_batch.has_teacher.tolist() == [False, False, False]
+
+
+def test_importance_clipping_without_sampling_logprobs_is_named(
+    tokenizer: Qwen3Tokenizer,
+) -> None:
+    rollouts = rollout_batch(tokenizer)
+    rollouts.old_logp = None
+    # Without is_clip the sampling policy's log-probs are not needed.
+    loss, _ = sdpo_channel_loss(tiny_model(), rollouts, tokenizer=tokenizer, cfg=channel_config())
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="is_clip needs the sampling policy's log-probs"):
+        sdpo_channel_loss(
+            tiny_model(), rollouts, tokenizer=tokenizer, cfg=channel_config(is_clip=2.0)
+        )
+
+
 def test_reduce_weights_by_tokens_and_rows() -> None:
     per_micro: Sequence[dict[str, float]] = [
         {

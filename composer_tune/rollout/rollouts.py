@@ -49,7 +49,7 @@ class RolloutBatch:
             detached current log-probs instead, as TRL does, and skips this forward).
         ref_logp: same under the reference model, or None when no reference was given.
         rewards: ``float32[N]`` reward scores.
-        correct: ``bool[N]`` task success (a reward without a notion of it counts as False).
+        correct: ``bool[N]`` task success (False where the reward has no notion of it).
         feedback: the verifier's message per completion (for SDPO's teacher hints).
         truncated: ``bool[N]`` the completion hit ``max_new_tokens`` without a stop token.
         prompt_lengths: ``long[N]`` prompt tokens per row.
@@ -57,6 +57,9 @@ class RolloutBatch:
         group_ids: ``long[N]`` index of the row's prompt within this batch.
         texts: decoded completions (special tokens skipped), as the reward saw them.
         samples: the dataset sample each row answers (the same object ``group_size`` times).
+        correct_known: ``bool[N]`` whether the reward judged success for the row (its
+            ``RewardResult.correct`` was not None), so consumers such as SDPO's hint selection
+            can fall back to a score threshold; None means known for every row.
     """
 
     tokens: Tensor
@@ -73,6 +76,7 @@ class RolloutBatch:
     group_ids: Tensor
     texts: list[str]
     samples: list[Mapping[str, Any]]
+    correct_known: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -308,4 +312,7 @@ def collect_rollouts(
         group_ids=torch.arange(len(samples), device=device).repeat_interleave(group_size),
         texts=texts,
         samples=row_samples,
+        correct_known=torch.tensor(
+            [r.correct is not None for r in results], dtype=torch.bool, device=device
+        ),
     )

@@ -112,13 +112,22 @@ def build_sdpo_teacher_batch(
     """The teacher's sequences for every row of ``rollouts`` (hints from the rows' rewards,
     feedback, group siblings and samples), on the rollouts' device.
 
-    ``RolloutBatch.correct`` is False where the reward has no notion of success, so with such a
-    reward no row counts as a success (no sibling hints, ``apply_to="failed"`` keeps all rows).
+    Rows whose reward has no notion of success (``RolloutBatch.correct_known`` False) are
+    judged by ``sdpo.context.success_threshold`` on their score, as the contexts module does.
     """
+    known = (
+        rollouts.correct_known.tolist()
+        if rollouts.correct_known is not None
+        else [True] * len(rollouts)
+    )
     results = [
-        RewardResult(score=float(score), correct=bool(correct), feedback=feedback)
-        for score, correct, feedback in zip(
-            rollouts.rewards.tolist(), rollouts.correct.tolist(), rollouts.feedback, strict=True
+        RewardResult(score=float(score), correct=bool(correct) if is_known else None, feedback=text)
+        for score, correct, is_known, text in zip(
+            rollouts.rewards.tolist(),
+            rollouts.correct.tolist(),
+            known,
+            rollouts.feedback,
+            strict=True,
         )
     ]
     prompt_lengths = rollouts.prompt_lengths.tolist()
@@ -165,10 +174,12 @@ class _Alignment:
     teacher_positions: Tensor
     targets: Tensor
     completion_mask: Tensor
-    old_logprobs: Tensor
+    old_logprobs: Tensor | None  # only for importance-ratio clipping
 
 
-def _align(rollouts: RolloutBatch, teacher_batch: TeacherBatch) -> _Alignment:
+def _align(
+    rollouts: RolloutBatch, teacher_batch: TeacherBatch, *, need_old_logprobs: bool
+) -> _Alignment:
     """Student and teacher positions of each completion token, cut to the micro-batch's width."""
     if len(teacher_batch.has_teacher) != len(rollouts):
         raise ValueError(
@@ -185,7 +196,14 @@ def _align(rollouts: RolloutBatch, teacher_batch: TeacherBatch) -> _Alignment:
     )
     # Column p + 1 of the rollout (target) frame holds the token predicted at position p.
     targets = torch.where(mask, rollouts.tokens.gather(1, positions + 1), 0)
-    old_logprobs = torch.where(mask, rollouts.old_logp.gather(1, positions + 1), 0.0)
+    old_logprobs = None
+    if need_old_logprobs:
+        if rollouts.old_logp is None:
+            raise ValueError(
+                "sdpo.loss.is_clip needs the sampling policy's log-probs: collect the rollouts "
+                "with compute_old_logp=True"
+            )
+        old_logprobs = torch.where(mask, rollouts.old_logp.gather(1, positions + 1), 0.0)
     return _Alignment(
         student_positions=positions,
         teacher_positions=teacher_batch.prediction_positions[:, :width],
@@ -259,7 +277,7 @@ def _distill_head(
             completion_mask=alignment.completion_mask,
             has_teacher=teacher_batch.has_teacher,
             config=cfg.loss,
-            old_logprobs=alignment.old_logprobs if cfg.loss.is_clip is not None else None,
+            old_logprobs=alignment.old_logprobs,
             teacher_output_module=teacher_output,
             normalizer=normalizer,
         )
@@ -283,7 +301,7 @@ def _prepare(
         raise ValueError("sdpo.teacher=current uses the policy itself; pass no teacher_model")
     if teacher_batch is None:
         teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
-    alignment = _align(rollouts, teacher_batch)
+    alignment = _align(rollouts, teacher_batch, need_old_logprobs=cfg.loss.is_clip is not None)
     view = _teacher_view(
         teacher_model if cfg.teacher == "ema" else model,
         teacher_batch,
