@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer_tune.metrics_log import Metrics, read_metrics
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TUNE = str(Path(sys.executable).parent / "tune")
 
@@ -20,6 +22,10 @@ class RecipeRun:
     def heldout_accuracies(self) -> list[float]:
         """Every held-out accuracy the recipe printed, in order."""
         return [float(m) for m in re.findall(r"held-out accuracy ([0-9.]+) over", self.stdout)]
+
+    def metrics(self) -> Metrics:
+        """Every metric the run's DiskLogger wrote under ``<output_dir>/logs``: step -> values."""
+        return read_metrics(self.output_dir / "logs")
 
 
 def run_tune(
