@@ -32,7 +32,9 @@ and after training.
 
 The recipe reads top to bottom: ``ComposerFullRecipe.setup()`` builds each part in a
 ``_setup_*`` method, ``train()`` is the loop. Copy the file and edit it; shared building blocks
-live in composer_tune/.
+live in composer_tune/. The channels' config, their forward/backward per optimiser step, the
+pair stream and the EMA teacher's checkpoint state come from composer_tune/composer_step.py,
+which recipes/diloco.py's inner loop uses too.
 """
 
 import math
@@ -51,12 +53,21 @@ from tqdm import tqdm
 
 from composer_tune import config
 from composer_tune.checkpointing.run_state import (
-    full_model_state_dict,
     load_model_weights,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
     save_run_checkpoint,
+)
+from composer_tune.composer_step import (
+    ComposerChannels,
+    ComposerObjective,
+    PairChannel,
+    ema_teacher_state,
+    group_advantages,
+    load_ema_teacher_state,
+    rollout_metrics,
+    sample_rollouts,
 )
 from composer_tune.distributed import (
     all_reduce_sum,
@@ -65,35 +76,11 @@ from composer_tune.distributed import (
     shard_decoder,
     teardown_distributed,
 )
-from composer_tune.dpo_channel import (
-    DPOChannelConfig,
-    PairStream,
-    evaluate_pairs,
-    load_pair_splits,
-    reference_table,
-)
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
-from composer_tune.losses import (
-    PolicyLossConfig,
-    apply_kl_to_rewards,
-    apply_truncation_mask,
-    compute_advantages,
-    needs_reference_model,
-    policy_loss,
-    preference_loss,
-)
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, sequence_logprobs
-from composer_tune.sdpo.channel import (
-    SDPOChannelConfig,
-    build_sdpo_teacher_batch,
-    distilled_token_count,
-    logprobs_with_sdpo,
-    reduce_sdpo_metrics,
-    sdpo_channel_loss,
-    select_teacher_rows,
-)
+from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
@@ -157,15 +144,9 @@ class ComposerFullRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.policy_weight, self.loss_cfg = self._setup_loss_config(cfg)
-        self.sdpo_cfg = self._setup_sdpo_config(cfg)
-        self.dpo_cfg = DPOChannelConfig.from_mapping(
-            OmegaConf.to_container(cfg.dpo, resolve=True) if cfg.dpo is not None else None
-        )
-        if not (self.policy_weight > 0 or self.sdpo_cfg.enabled or self.dpo_cfg.enabled):
-            raise ValueError("every channel weight (loss.weight, sdpo.weight, dpo.weight) is 0")
-        # Channels 1 and 2 train on rollouts; channel 3 alone needs none.
-        self.needs_rollouts = self.policy_weight > 0 or self.sdpo_cfg.enabled
+        # The three channels' sections (loss, sdpo, dpo), checked; a channel at weight 0 is
+        # off and nothing below is built for it.
+        self.channels = ComposerChannels.from_config(cfg)
         self._check_batch_layout(cfg)
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
@@ -177,12 +158,21 @@ class ComposerFullRecipe:
         self.model = self._setup_model(cfg, resume_path or initial)
         # The reference is the starting policy, never a resumed one, and only exists for KL or
         # for DPO scoring pairs live.
-        self.kl_reference = self.policy_weight > 0 and needs_reference_model(self.loss_cfg)
-        live_dpo = self.dpo_cfg.enabled and self.dpo_cfg.reference == "live"
         self.reference = (
-            self._setup_reference(cfg, initial) if self.kl_reference or live_dpo else None
+            self._setup_reference(cfg, initial) if self.channels.needs_reference_model else None
         )
         self.ema_teacher = self._setup_ema_teacher(cfg, resume_path or initial)
+        self.objective = ComposerObjective(
+            self.model,
+            self.channels,
+            tokenizer=self.tokenizer,
+            dist=self.dist,
+            micro_batch_size=cfg.micro_batch_size,
+            temperature=cfg.temperature,
+            logprob_chunk_size=cfg.logprob_chunk_size,
+            ema_teacher=self.ema_teacher,
+            reference=self.reference,
+        )
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = (
             config.instantiate(cfg.lr_scheduler, self.optimizer, num_training_steps=cfg.max_steps)
@@ -203,33 +193,22 @@ class ComposerFullRecipe:
         self.sampling_generator.manual_seed(cfg.seed * 1_000_003 + self.dist.rank)
         self.resumed = resume_path is not None
         state = self._restore(resume_path) if self.resumed else {}
-        self.pair_stream, self.heldout_pairs = self._setup_pairs(cfg, state)
-
-    def _setup_loss_config(self, cfg: DictConfig) -> tuple[float, PolicyLossConfig]:
-        """Channel 1's weight and objective."""
-        section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
-        weight = float(section.pop("weight", 1.0))
-        if weight < 0:
-            raise ValueError(f"loss.weight must be >= 0, got {weight}")
-        section.setdefault("max_completion_length", cfg.max_new_tokens)
-        return weight, PolicyLossConfig.from_mapping(section, source="loss")
-
-    def _setup_sdpo_config(self, cfg: DictConfig) -> SDPOChannelConfig:
-        """Channel 2's settings, checked against the SDPOChannelConfig schema."""
-        if cfg.sdpo is None:
-            return SDPOChannelConfig()
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(SDPOChannelConfig), cfg.sdpo)
-            sdpo_cfg = OmegaConf.to_object(merged)
-        except Exception as error:  # OmegaConf's key/type errors and __post_init__'s checks
-            raise ValueError(f"sdpo: {error}") from error
-        if sdpo_cfg.enabled and sdpo_cfg.context.enable_thinking != cfg.enable_thinking:
-            raise ValueError(
-                f"sdpo.context.enable_thinking ({sdpo_cfg.context.enable_thinking}) must match "
-                f"enable_thinking ({cfg.enable_thinking}): the teacher reads the student's "
-                "completions after the same generation prompt"
+        # Channel 3's pairs: the training stream (resumed at its saved position), the held-out
+        # pairs and the reference table.
+        self.pairs = (
+            PairChannel(
+                self.channels.dpo,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dist=self.dist,
+                seed=cfg.seed,
+                logprob_chunk_size=cfg.logprob_chunk_size,
+                state=state,
+                resumed=self.resumed,
             )
-        return sdpo_cfg
+            if self.channels.dpo.enabled
+            else None
+        )
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject batch sizes that do not divide evenly, naming the keys involved."""
@@ -321,14 +300,14 @@ class ComposerFullRecipe:
         """Channel 2's EMA teacher (``sdpo.teacher: ema``), held in float32 so that small
         updates are not rounded away; None otherwise. A resumed run restores its average in
         ``_restore``."""
-        if not (self.sdpo_cfg.enabled and self.sdpo_cfg.teacher == "ema"):
+        if not self.channels.ema_teacher:
             return None
         policy_dtype, self.dtype = self.dtype, torch.float32
         try:
             module = self._build_model(cfg, checkpoint)
         finally:
             self.dtype = policy_dtype
-        return EMATeacher(self.model, self.sdpo_cfg.ema_rate, teacher=module)
+        return EMATeacher(self.model, self.channels.sdpo.ema_rate, teacher=module)
 
     def _setup_reference(self, cfg: DictConfig, initial: str | None) -> torch.nn.Module:
         reference = self._build_model(cfg, initial)
@@ -361,54 +340,10 @@ class ComposerFullRecipe:
             collate_fn=list,
         )
 
-    def _setup_pairs(self, cfg: DictConfig, state: dict[str, Any]) -> tuple[PairStream | None, Any]:
-        """Channel 3's training-pair stream and held-out pairs; nothing when it is off.
-
-        Precomputed reference log-probs come from the resumed checkpoint, or are computed now
-        with the policy, which before the first step is the initial policy."""
-        self.pair_reference = None
-        if not self.dpo_cfg.enabled:
-            return None, None
-        train_pairs, heldout_pairs = load_pair_splits(self.dpo_cfg, self.tokenizer)
-        if self.dpo_cfg.reference == "precomputed" and "dpo_reference" in state:
-            self.pair_reference = state["dpo_reference"]
-        elif self.dpo_cfg.reference == "precomputed":
-            if self.resumed:  # the policy is no longer the initial one
-                raise ValueError(
-                    "dpo.reference=precomputed, but the resumed checkpoint has no reference "
-                    "table (written with channel 3 off or dpo.reference=live): resume with "
-                    "the settings the run started with"
-                )
-            self.pair_reference = reference_table(
-                self.model,
-                [train_pairs, heldout_pairs],
-                self.dpo_cfg,
-                pad_id=self.tokenizer.pad_id,
-                dist_info=self.dist,
-                chunk_size=cfg.logprob_chunk_size,
-            )
-        stream = PairStream(
-            train_pairs,
-            pairs_per_step=self.dpo_cfg.pairs_per_step,
-            dist_info=self.dist,
-            seed=cfg.seed,
-            pad_id=self.tokenizer.pad_id,
-            reference=self.pair_reference,
-        )
-        if "pair_stream" in state:
-            stream.load_state_dict(state["pair_stream"])
-        if self.dist.is_main:
-            print(
-                f"dpo: {len(train_pairs)} training pairs {dict(train_pairs.stats)}, "
-                f"{len(heldout_pairs)} held out, reference {self.dpo_cfg.reference}",
-                flush=True,
-            )
-        return stream, heldout_pairs
-
     def _restore(self, path: Any) -> dict[str, Any]:
         """Optimizer, LR schedule, RNGs, sampling generator and data position from ``path``
-        (the weights were loaded from its ``model/`` by ``_setup_model``); returns the recipe
-        state for the pair stream."""
+        and the EMA teacher (the weights were loaded from its ``model/`` by ``_setup_model``);
+        returns the recipe state for channel 3's pairs."""
         state = load_training_state(
             path,
             model=self.model,
@@ -421,20 +356,13 @@ class ComposerFullRecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
-        if self.ema_teacher is not None:
-            if "sdpo_ema" not in state:
-                raise ValueError(
-                    f"{path} has no EMA teacher (written without sdpo.teacher=ema): resume "
-                    "with the settings the run started with"
-                )
-            training.load_from_full_model_state_dict(
-                self.ema_teacher.module,
-                state["sdpo_ema"]["weights"],
-                self.dist.device,
-                strict=True,
-                cpu_offload=self.cfg.fsdp_cpu_offload,
-            )
-            self.ema_teacher.num_updates = state["sdpo_ema"]["num_updates"]
+        load_ema_teacher_state(
+            self.ema_teacher,
+            state,
+            source=path,
+            device=self.dist.device,
+            cpu_offload=self.cfg.fsdp_cpu_offload,
+        )
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return state
@@ -455,20 +383,32 @@ class ComposerFullRecipe:
         while self.step < cfg.max_steps:
             # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
             # reference) log-probs. Channel 3 alone trains on pairs only.
-            rollout, rollout_metrics = None, {}
-            if self.needs_rollouts:
-                rollout = self._rollout(next(prompt_batches))
-                rollout_metrics = self._rollout_metrics(rollout)
+            rollout, batch_metrics = None, {}
+            if self.channels.needs_rollouts:
+                rollout = sample_rollouts(
+                    self.model,
+                    next(prompt_batches),
+                    cfg,
+                    self.channels,
+                    tokenizer=self.tokenizer,
+                    reward=self.reward,
+                    generator=self.sampling_generator,
+                    reference=self.reference,
+                    on_policy=self._on_policy(),
+                    sync_ranks=self.dist.is_distributed,
+                )
+                batch_metrics = rollout_metrics(rollout)
             # 2. Channel 1: group-relative advantages (after the KL penalty, in kl_mode=reward).
             advantages = None
-            if self.policy_weight > 0:
-                advantages = self._advantages(rollout) * cfg.advantage_sign
+            if self.channels.policy_weight > 0:
+                advantages = group_advantages(rollout, self.channels, cfg.group_size, self.dist)
+                advantages = advantages * cfg.advantage_sign
             # 3. Channel 2: the teacher's contexts, once over the whole generation batch so
             # every row sees its group's siblings.
             teacher_batch = None
-            if self.sdpo_cfg.enabled:
+            if self.channels.sdpo.enabled:
                 teacher_batch = build_sdpo_teacher_batch(
-                    rollout, tokenizer=self.tokenizer, cfg=self.sdpo_cfg
+                    rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
                 )
             # 4. Optimiser steps on the generation batch: its slices, num_iterations times.
             rows_per_step = len(rollout) // cfg.steps_per_generation if rollout is not None else 0
@@ -500,7 +440,7 @@ class ComposerFullRecipe:
                         self._log(
                             {
                                 **loss_metrics,
-                                **rollout_metrics,
+                                **batch_metrics,
                                 "iteration": float(iteration),
                                 "lr": self.optimizer.param_groups[0]["lr"],
                                 # Rollout tokens trained on (0 with channel 3 alone).
@@ -538,7 +478,7 @@ class ComposerFullRecipe:
                 f"held-out pairs: DPO accuracy before {before_pairs['eval/dpo_accuracy']:.3f} "
                 f"-> after {after_pairs['eval/dpo_accuracy']:.3f}, margin before "
                 f"{before_pairs['eval/dpo_margin']:.4f} -> after "
-                f"{after_pairs['eval/dpo_margin']:.4f} ({len(self.heldout_pairs)} pairs)",
+                f"{after_pairs['eval/dpo_margin']:.4f} ({len(self.pairs.heldout)} pairs)",
                 flush=True,
             )
 
@@ -554,60 +494,9 @@ class ComposerFullRecipe:
             self.epoch += 1
             self.batches_in_epoch = 0
 
-    def _rollout(self, samples: list[dict[str, Any]]) -> RolloutBatch:
-        cfg = self.cfg
-        return collect_rollouts(
-            self.model,
-            self.tokenizer,
-            samples,
-            self.reward,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            generator=self.sampling_generator,
-            # Reference log-probs only feed channel 1's KL term.
-            reference=self.reference if self.kl_reference else None,
-            enable_thinking=cfg.enable_thinking,
-            logprob_chunk_size=cfg.logprob_chunk_size,
-            forward_batch_size=cfg.micro_batch_size,
-            sync_ranks=self.dist.is_distributed,
-            # Off-policy steps, KL in the reward and SDPO's alignment read the old log-probs.
-            compute_old_logp=not self._on_policy()
-            or (self.policy_weight > 0 and self._kl_in_reward())
-            or self.sdpo_cfg.enabled,
-        )
-
     def _on_policy(self) -> bool:
         """One optimiser step per generation batch: the sampling policy is the current one."""
         return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
-
-    def _kl_in_reward(self) -> bool:
-        return self.loss_cfg.beta > 0 and self.loss_cfg.kl_mode == "reward"
-
-    def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:
-        rewards = rollout.rewards
-        loss_cfg = self.loss_cfg
-        if self._kl_in_reward():
-            rewards = apply_kl_to_rewards(
-                rewards,
-                rollout.old_logp,
-                rollout.ref_logp,
-                rollout.completion_mask,
-                loss_cfg.beta,
-                loss_cfg.kl_estimator,
-            )
-        if loss_cfg.scale_rewards != "batch" or not self.dist.is_distributed:
-            return compute_advantages(rewards, self.cfg.group_size, loss_cfg.scale_rewards)
-        # Batch scaling takes the std over every rank's rewards: gather them, keep our rows.
-        gathered = torch.zeros(
-            (self.dist.world_size, rewards.numel()), dtype=rewards.dtype, device=rewards.device
-        )
-        gathered[self.dist.rank] = rewards
-        all_reduce_sum(gathered)
-        advantages = compute_advantages(gathered.reshape(-1), self.cfg.group_size, "batch")
-        return advantages.view(self.dist.world_size, -1)[self.dist.rank]
 
     def _optimizer_step(
         self,
@@ -622,151 +511,26 @@ class ComposerFullRecipe:
         ``rows`` are the step's rollouts (None with channel 3 alone), ``advantages`` their
         advantages (None without channel 1), ``teacher_rows`` their SDPO teacher batch (None
         without channel 2)."""
-        cfg, loss_cfg = self.cfg, self.loss_cfg
-        micro_batches = rows.micro_batches(cfg.micro_batch_size) if rows is not None else []
-        use_policy, use_sdpo = self.policy_weight > 0, self.sdpo_cfg.enabled
-        totals: dict[str, float] = {}
-        loss_total = 0.0
-        if use_policy:
-            # dapo/cispo normalise by the active tokens of the whole step on all ranks; FSDP
-            # then averages gradients over ranks, hence the division by world size (as in TRL).
-            active = rows.completion_mask
-            if loss_cfg.mask_truncated_completions:
-                active = apply_truncation_mask(active, rows.truncated)
-            global_tokens = all_reduce_sum(active.sum().double().reshape(1))
-            num_items = float(global_tokens.clamp(min=1)) / self.dist.world_size
-        sdpo_normalizer, sdpo_metrics = None, []
-        if use_sdpo:
-            # SDPO's divergence is a token mean over the step's distilled tokens on all ranks.
-            distilled = all_reduce_sum(distilled_token_count(teacher_rows).reshape(1))
-            sdpo_normalizer = float(distilled.clamp(min=1)) / self.dist.world_size
-        teacher_model = self.ema_teacher.module if self.ema_teacher is not None else None
-        for index, micro in enumerate(micro_batches):
-            start = index * cfg.micro_batch_size
-            micro_teacher = (
-                select_teacher_rows(teacher_rows, slice(start, start + len(micro)))
-                if use_sdpo
-                else None
-            )
-            loss = torch.zeros((), device=self.dist.device)
-            if use_policy:
-                logprob_args = {
-                    "temperature": cfg.temperature,
-                    "chunk_size": cfg.logprob_chunk_size,
-                }
-                if use_sdpo:  # one student forward for both channels
-                    logp, entropy, sdpo_loss, metrics = logprobs_with_sdpo(
-                        self.model,
-                        micro,
-                        tokenizer=self.tokenizer,
-                        cfg=self.sdpo_cfg,
-                        teacher_model=teacher_model,
-                        normalizer=sdpo_normalizer,
-                        teacher_batch=micro_teacher,
-                        **logprob_args,
-                    )
-                    sdpo_metrics.append(metrics)
-                    loss = loss + sdpo_loss
-                else:
-                    logp, entropy = sequence_logprobs(
-                        self.model,
-                        micro.tokens,
-                        micro.input_pos,
-                        micro.completion_mask,
-                        return_entropy=True,
-                        **logprob_args,
-                    )
-                # One optimiser step per generation batch: old_logp is the current logp (TRL).
-                old_logp = logp.detach() if on_policy else micro.old_logp
-                policy, metrics = policy_loss(
-                    logp,
-                    old_logp,
-                    advantages[start : start + len(micro)],
-                    micro.completion_mask,
-                    loss_cfg,
-                    ref_logp=micro.ref_logp,
-                    num_items_in_batch=num_items,
-                    truncated=micro.truncated,
-                    entropy=entropy,
-                )
-                if loss_cfg.objective not in ("dapo", "cispo"):
-                    policy = policy / len(micro_batches)  # gradient accumulation
-                loss = loss + self.policy_weight * policy
-                for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + float(value) / len(micro_batches)
-            else:  # channel 2 alone: the SDPO forward is the only one
-                sdpo_loss, metrics = sdpo_channel_loss(
-                    self.model,
-                    micro,
-                    tokenizer=self.tokenizer,
-                    cfg=self.sdpo_cfg,
-                    teacher_model=teacher_model,
-                    normalizer=sdpo_normalizer,
-                    teacher_batch=micro_teacher,
-                )
-                sdpo_metrics.append(metrics)
-                loss = loss + sdpo_loss
-            loss.backward()
-            loss_total += float(loss.detach())
-        if self.pair_stream is not None:
-            # Channel 3: one forward over this rank's share of the step's pairs. Its loss is a
-            # mean over the rank's pairs; FSDP's gradient average makes it the global mean.
-            batch = next(self.pair_stream).to(self.dist.device)
-            output = preference_loss(
-                self.model,
-                batch,
-                self.dpo_cfg.loss_config,
-                reference_model=self.reference if self.dpo_cfg.reference == "live" else None,
-                chunk_size=cfg.logprob_chunk_size,
-            )
-            (self.dpo_cfg.weight * output.loss).backward()
-            loss_total += self.dpo_cfg.weight * float(output.loss.detach())
-            for name, value in output.metrics().items():
-                totals[f"dpo/{name}"] = value
+        pair_batch = self.pairs.next_batch() if self.pairs is not None else None
+        losses = self.objective.backward(
+            rows, advantages, teacher_rows, pair_batch, on_policy=on_policy
+        )
         # The norm is always computed (max_norm=inf does not clip): the guard checks it.
-        max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else math.inf
+        max_norm = self.cfg.clip_grad_norm if self.cfg.clip_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
         # A NaN/inf loss or norm skips the update (weights, optimizer, LR schedule, EMA teacher
         # untouched).
-        if self.guard.check(self.step + 1, loss_total, grad_norm):
+        if self.guard.check(self.step + 1, losses.loss, grad_norm):
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if self.ema_teacher is not None:
                 self.ema_teacher.update()
         self.optimizer.zero_grad(set_to_none=True)
-        # Rank means of the loss and the per-micro-batch-averaged metrics.
-        names = ["loss", *totals]
-        values = torch.tensor([loss_total, *totals.values()], dtype=torch.float64)
-        values = all_reduce_sum(values.to(self.dist.device)).cpu() / self.dist.world_size
-        step_metrics = dict(zip(names, values.tolist(), strict=True))
-        step_metrics.update(reduce_sdpo_metrics(sdpo_metrics, self.dist.device))
-        step_metrics["grad_norm"] = float(grad_norm)
-        step_metrics.update(self.guard.metrics())
-        return step_metrics
-
-    def _rollout_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
-        """Reward, accuracy, length and truncation statistics over every rank's rollouts."""
-        rewards = rollout.rewards.double()
-        lengths = rollout.completion_lengths.double()
-        sums = torch.stack(
-            [
-                torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-                rewards.sum(),
-                rewards.square().sum(),
-                rollout.correct.double().sum(),
-                lengths.sum(),
-                rollout.truncated.double().sum(),
-            ]
-        )
-        count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-        mean = reward_sum / count
         return {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
-            "accuracy": correct / count,
-            "completion_length/mean": length_sum / count,
-            "truncation_rate": truncated / count,
+            **losses.reduce(self.dist),
+            "grad_norm": float(grad_norm),
+            **self.guard.metrics(),
         }
 
     def evaluate(self) -> tuple[Any, dict[str, float]]:
@@ -775,25 +539,16 @@ class ComposerFullRecipe:
         return self._evaluate_generation(), self._evaluate_pairs()
 
     def _evaluate_pairs(self) -> dict[str, float]:
-        if self.heldout_pairs is None:
+        if self.pairs is None:
             return {}
-        metrics = evaluate_pairs(
-            self.model,
-            self.heldout_pairs,
-            self.dpo_cfg,
-            pad_id=self.tokenizer.pad_id,
-            device=self.dist.device,
-            chunk_size=self.cfg.logprob_chunk_size,
-            reference=self.pair_reference,
-            reference_model=self.reference if self.dpo_cfg.reference == "live" else None,
-        )
+        metrics = self.pairs.evaluate(self.model, self.reference)
         if metrics:
             self._log(metrics)
         if metrics and self.dist.is_main:
             print(
                 f"[step {self.step}] held-out pairs: DPO loss {metrics['eval/dpo_loss']:.4f}, "
                 f"margin {metrics['eval/dpo_margin']:.4f}, accuracy "
-                f"{metrics['eval/dpo_accuracy']:.3f} over {len(self.heldout_pairs)} pairs",
+                f"{metrics['eval/dpo_accuracy']:.3f} over {len(self.pairs.heldout)} pairs",
                 flush=True,
             )
         return metrics
@@ -841,8 +596,9 @@ class ComposerFullRecipe:
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": self._all_generator_states(),
                 "nonfinite_guard": self.guard.state_dict(),
-                **self._pair_state(),
-                **self._ema_state(),
+                # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
+                **(self.pairs.state_dict() if self.pairs is not None else {}),
+                **ema_teacher_state(self.ema_teacher, self.dist),
             },
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
@@ -850,20 +606,6 @@ class ComposerFullRecipe:
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
-
-    def _pair_state(self) -> dict[str, Any]:
-        """Channel 3's resume state: the pair-stream position and the reference table."""
-        if self.pair_stream is None:
-            return {}
-        # Ranks deal pairs from one shuffled order, so rank 0's position is every rank's.
-        return {"pair_stream": self.pair_stream.state_dict(), "dpo_reference": self.pair_reference}
-
-    def _ema_state(self) -> dict[str, Any]:
-        """Channel 2's EMA teacher (its full weights on rank 0; collective under FSDP)."""
-        if self.ema_teacher is None:
-            return {}
-        weights = full_model_state_dict(self.ema_teacher.module, self.dist)
-        return {"sdpo_ema": {"weights": weights, "num_updates": self.ema_teacher.num_updates}}
 
     def _all_generator_states(self) -> list[torch.Tensor]:
         """Every rank's sampling-generator state (rank 0 writes the recipe state alone)."""

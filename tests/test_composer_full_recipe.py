@@ -142,7 +142,7 @@ def test_channel_one_alone_is_grpo(tmp_path: Path) -> None:
     for name, value in grpo_weights.items():
         assert torch.equal(value, full_weights[name]), name
     # Nothing of the switched-off channels exists, and the policy ran the same forwards.
-    assert full.pair_stream is None and full.heldout_pairs is None and full.ema_teacher is None
+    assert full.pairs is None and full.ema_teacher is None
     assert full_forwards == grpo_forwards
 
 
@@ -163,7 +163,7 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
         ],
     )
     assert full.reference is None and full.ema_teacher is None
-    assert full.pair_stream is None and full.pair_reference is None
+    assert full.pairs is None
     assert "sdpo/valid_tokens" not in logged_metrics(tmp_path / "off")[1]
 
     # Channel 3 alone: no rollouts and no generation, so the policy's forwards are exactly the
@@ -182,19 +182,19 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
         ],
     )
     assert dpo.reference is None  # precomputed reference, no KL: no reference model
-    train_pairs = len(dpo.pair_stream.dataset)
-    heldout_pairs = len(dpo.heldout_pairs)
+    train_pairs = len(dpo.pairs.train)
+    heldout_pairs = len(dpo.pairs.heldout)
     reference_batches = sum(
-        math.ceil(count / dpo.dpo_cfg.reference_batch_size)
+        math.ceil(count / dpo.channels.dpo.reference_batch_size)
         for count in (train_pairs, heldout_pairs)
     )
-    eval_batches = math.ceil(heldout_pairs / dpo.dpo_cfg.eval_batch_size)
+    eval_batches = math.ceil(heldout_pairs / dpo.channels.dpo.eval_batch_size)
     # The counter was attached after setup, so the reference pass is not in `forwards`.
     assert forwards == 2 * eval_batches + steps
     assert reference_batches > 0
     logged = logged_metrics(tmp_path / "dpo")
     assert "reward/mean" not in logged[1] and "ratio/mean" not in logged[1]
-    assert logged[1]["loss"] == pytest.approx(dpo.dpo_cfg.weight * logged[1]["dpo/loss"])
+    assert logged[1]["loss"] == pytest.approx(dpo.channels.dpo.weight * logged[1]["dpo/loss"])
 
 
 def test_fsdp_two_processes(tmp_path: Path) -> None:
