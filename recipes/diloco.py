@@ -7,13 +7,35 @@
     # a cluster: one lighthouse, then one torchrun group per replica (see the qwen3_* configs):
     torchft_lighthouse --min_replicas 2 --bind [::]:29510 --join_timeout_ms 60000
     REPLICA_ID=0 NUM_REPLICAS=2 TORCHFT_LIGHTHOUSE=http://lighthouse-host:29510 \\
-        tune run --nproc_per_node 8 --master_port 29600 recipes/diloco.py --config qwen3_7b
+        tune run --nproc_per_node 8 --master_port 29600 recipes/diloco.py --config qwen3_7b \\
+        dpo.pairs=/path/to/pairs.jsonl  # and the paths the config's header lists
 
-Inner loop: the A1 GRPO loop of recipes/grpo.py (channel 1 of the Composer 2.5 replication,
-GRPO-family policy optimisation on verifiable rewards): sample ``group_size`` completions per
-prompt, score them, group-relative advantages, ``steps_per_generation * num_iterations``
-optimiser steps with ``loss.objective``. Channels 2 (SDPO self-distillation) and 3 (the project's
-own trace-replay DPO) are not part of this recipe yet.
+Inner loop: the composer loop of A4 recipes/composer_full.py, any mix of the three channels
+from config. Each inner optimiser step minimises ``loss.weight * policy loss + sdpo.weight *
+SDPO loss + dpo.weight * DPO loss`` (the ``loss``, ``sdpo`` and ``dpo`` sections have
+composer_full's keys, semantics and defaults; the step itself is
+composer_tune/composer_step.py's ``ComposerObjective``, which composer_full uses too):
+
+* channel 1, GRPO-family RL on verifiable rewards (Cursor's Composer 2.5 recipe): ``group_size``
+  sampled completions per prompt, group-relative advantages, ``loss.objective``;
+* channel 2, SDPO self-distillation (Composer 2.5's "targeted RL with textual feedback"): the
+  policy (or its EMA, ``sdpo.teacher: ema``) re-reads each rollout with a hint and the student
+  is pulled toward it;
+* channel 3, trace-replay DPO on agent-trace preference pairs: this project's OWN research
+  addition, NOT part of Cursor's published recipe.
+
+A channel at weight 0 costs nothing (no rollouts with channels 1 and 2 off, no teacher batch or
+EMA teacher without channel 2, no pairs or pair reference without channel 3). Channels 2 and 3
+are local to a replica like the optimizer: each replica keeps its own EMA teacher (an average of
+its own weights, which a sync moves to the global ones) and trains on its own shard of the pairs.
+
+Non-finite steps: a NaN/inf loss or gradient norm skips the update (weights, inner optimizer, LR
+schedule and EMA teacher untouched, composer_tune/guards.py) but the step still takes its place
+in the sync window: the recipe drops the gradients and calls ``optimizer.step()`` anyway, which
+updates nothing without gradients but runs DiLoCo's hook. So a skipped step counts as an inner
+step exactly as its consumed batch counts toward ``max_steps``, syncs stay between generation
+batches and at the same inner steps on every replica, and the replica's pseudo-gradient is the
+work of its applied steps only. ``max_consecutive_nonfinite_steps`` in a row stop the replica.
 
 Outer loop: ``DiLoCoTrainer`` (composer_tune/diloco/trainer.py) hooks the inner optimizer. Every
 ``diloco.sync_every / diloco.num_fragments`` inner steps one fragment of the model is
@@ -22,13 +44,17 @@ quorum and applied to the global weights by the outer optimizer (Nesterov SGD, l
 0.9 by default). ``max_steps`` counts inner steps of a run without failed syncs; the run stops
 after ``max_steps / (sync_every / num_fragments)`` committed syncs (torchft's manager step).
 
-Every replica starts from the same weights (same seed / warm start), samples prompts from its own
-shard of the dataset (``REPLICA_ID`` of ``NUM_REPLICAS``, times its ranks), samples completions
-with its own random stream, and writes under ``<output_dir>/replica_<id>/`` (logs, checkpoints).
-Held-out evaluation always scores the GLOBAL weights, the ones the replicas agree on. Checkpoints
-are taken right after a sync and hold the local model, inner optimizer, LR schedule, RNGs, data
-position and every rank's DiLoCo state (each fragment's global weights and outer-optimizer
-momentum, the manager step); ``checkpoint.resume_from_checkpoint: latest`` restores all of it.
+Every replica starts from the same weights (same seed / warm start), samples prompts and pairs
+from its own shard of the data (``REPLICA_ID`` of ``NUM_REPLICAS``, times its ranks), samples
+completions with its own random stream, and writes under ``<output_dir>/replica_<id>/`` (logs,
+checkpoints). Held-out evaluation (accuracy, and with channel 3 the held-out pair metrics)
+always scores the GLOBAL weights, the ones the replicas agree on. Checkpoints are taken right
+after a sync and hold the local model, inner optimizer, LR schedule, RNGs, data and pair-stream
+positions, the pair reference table, the EMA teacher, the non-finite guard and every rank's
+DiLoCo state (each fragment's global weights and outer-optimizer momentum, the manager step);
+``checkpoint.resume_from_checkpoint: latest`` restores all of it. A replica healed from a live
+peer receives the peer's model, inner optimizer, LR schedule and DiLoCo state only: its data and
+pair positions and its EMA teacher stay its own.
 
 The recipe reads top to bottom: ``DiLoCoRecipe.setup()`` builds each part in a ``_setup_*``
 method, ``train()`` is the loop. Copy the file and edit it; shared building blocks live in
@@ -64,6 +90,16 @@ from composer_tune.checkpointing.run_state import (
     resolve_resume_path,
     save_run_checkpoint,
 )
+from composer_tune.composer_step import (
+    ComposerChannels,
+    ComposerObjective,
+    PairChannel,
+    ema_teacher_state,
+    group_advantages,
+    load_ema_teacher_state,
+    rollout_metrics,
+    sample_rollouts,
+)
 from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer, OuterStepMetrics
 from composer_tune.distributed import (
     all_reduce_sum,
@@ -73,15 +109,10 @@ from composer_tune.distributed import (
     teardown_distributed,
 )
 from composer_tune.evaluation import evaluate_heldout
-from composer_tune.losses import (
-    PolicyLossConfig,
-    apply_kl_to_rewards,
-    apply_truncation_mask,
-    compute_advantages,
-    needs_reference_model,
-    policy_loss,
-)
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, sequence_logprobs
+from composer_tune.guards import NonFiniteGuard
+from composer_tune.losses.distill import EMATeacher
+from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
@@ -113,7 +144,9 @@ class DiLoCoRecipeConfig(config.TrainingConfig):
     steps_per_generation: int = 1
     num_iterations: int = 1
     micro_batch_size: int = 32  # completions per forward/backward on each rank
-    # The policy objective: a PolicyLossConfig mapping (see recipes/grpo.py).
+    # Channel 1: ``weight`` (default 1; 0 turns the policy loss off) and a PolicyLossConfig
+    # mapping (objective, epsilon_low/high, beta, kl_estimator, kl_mode, scale_rewards,
+    # mask_truncated_completions). max_completion_length defaults to max_new_tokens.
     loss: Any = None
     # FSDP2 CPU offload of parameters, gradients and optimizer state (policy and reference).
     fsdp_cpu_offload: bool = False
@@ -121,6 +154,16 @@ class DiLoCoRecipeConfig(config.TrainingConfig):
     eval_every_n_outer_steps: int = 0  # 0: evaluate only before and after training
     eval_batch_size: int = 64
     eval_max_new_tokens: int = 16
+    # NaN/inf losses skip the step (it still counts toward the sync window); this many in a row
+    # stop the replica (last checkpoint intact).
+    max_consecutive_nonfinite_steps: int = 3
+    # Channel 2: an SDPOChannelConfig mapping (weight, context, loss, teacher, ema_rate);
+    # null or weight 0 is off.
+    sdpo: Any = None
+    # Channel 3: a DPOChannelConfig mapping (weight, pairs, pairs_per_step per replica,
+    # loss_type, beta, label_smoothing, reference, max_seq_len, heldout_fraction, ...); null or
+    # weight 0 is off.
+    dpo: Any = None
 
 
 class DiLoCoRecipe:
@@ -159,7 +202,9 @@ class DiLoCoRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.loss_cfg = self._setup_loss_config(cfg)
+        # The three channels' sections (loss, sdpo, dpo), checked; a channel at weight 0 is
+        # off and nothing below is built for it.
+        self.channels = ComposerChannels.from_config(cfg)
         self._check_batch_layout(cfg)
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
@@ -169,15 +214,32 @@ class DiLoCoRecipe:
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
-        # The reference is the starting policy, never a resumed one, and only exists with KL.
+        # The reference is the starting policy, never a resumed one, and only exists for KL or
+        # for DPO scoring pairs live.
         self.reference = (
-            self._setup_reference(cfg, initial) if needs_reference_model(self.loss_cfg) else None
+            self._setup_reference(cfg, initial) if self.channels.needs_reference_model else None
+        )
+        self.ema_teacher = self._setup_ema_teacher(cfg, resume_path or initial)
+        # The inner step's objective: forward/backward of every channel that is on.
+        self.objective = ComposerObjective(
+            self.model,
+            self.channels,
+            tokenizer=self.tokenizer,
+            dist=self.dist,
+            micro_batch_size=cfg.micro_batch_size,
+            temperature=cfg.temperature,
+            logprob_chunk_size=cfg.logprob_chunk_size,
+            ema_teacher=self.ema_teacher,
+            reference=self.reference,
         )
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = (
             config.instantiate(cfg.lr_scheduler, self.optimizer, num_training_steps=cfg.max_steps)
             if cfg.lr_scheduler is not None
             else None
+        )
+        self.guard = NonFiniteGuard(
+            cfg.max_consecutive_nonfinite_steps, device=self.dist.device, verbose=self.dist.is_main
         )
         self.dataloader = self._setup_data(cfg)
         self.reward = config.instantiate(cfg.reward)
@@ -193,13 +255,25 @@ class DiLoCoRecipe:
             self.model, self.optimizer, self.diloco_cfg, lr_scheduler=self.lr_scheduler
         )
         self.resumed = resume_path is not None
-        if resume_path is not None:
-            self._restore(resume_path)
-
-    def _setup_loss_config(self, cfg: DictConfig) -> PolicyLossConfig:
-        section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
-        section.setdefault("max_completion_length", cfg.max_new_tokens)
-        return PolicyLossConfig.from_mapping(section, source="loss")
+        state = self._restore(resume_path) if self.resumed else {}
+        # Channel 3's pairs: this replica's shard of the training stream (resumed at its saved
+        # position), the held-out pairs and the reference table.
+        self.pairs = (
+            PairChannel(
+                self.channels.dpo,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dist=self.dist,
+                seed=cfg.seed,
+                logprob_chunk_size=cfg.logprob_chunk_size,
+                state=state,
+                resumed=self.resumed,
+                num_replicas=self.num_replicas,
+                replica_id=self.replica_id,
+            )
+            if self.channels.dpo.enabled
+            else None
+        )
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject step counts and batch sizes that do not divide evenly, naming the keys."""
@@ -285,7 +359,9 @@ class DiLoCoRecipe:
     def _build_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
         """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random)."""
         if checkpoint is None:
-            # Random init, identical on every rank and replica (same seed), sharded in place.
+            # Random init, identical on every rank and replica, sharded in place. torchtune's
+            # set_seed offsets the seed by the rank, so seed the build with the config's seed.
+            torch.manual_seed(self.cfg.seed)
             with training.set_default_dtype(self.dtype), self.dist.device:
                 model = config.instantiate(cfg.model)
             if cfg.enable_activation_checkpointing:
@@ -318,10 +394,20 @@ class DiLoCoRecipe:
         model.train()
         return model
 
+    def _setup_ema_teacher(self, cfg: DictConfig, checkpoint: Any) -> EMATeacher | None:
+        """Channel 2's EMA teacher (``sdpo.teacher: ema``) of this replica's weights, held in
+        float32 so that small updates are not rounded away; None otherwise. A resumed run
+        restores its average in ``_restore``."""
+        if not self.channels.ema_teacher:
+            return None
+        policy_dtype, self.dtype = self.dtype, torch.float32
+        try:
+            module = self._build_model(cfg, checkpoint)
+        finally:
+            self.dtype = policy_dtype
+        return EMATeacher(self.model, self.channels.sdpo.ema_rate, teacher=module)
+
     def _setup_reference(self, cfg: DictConfig, initial: str | None) -> torch.nn.Module:
-        if initial is None:
-            # Random init: re-seed so the reference equals the policy's own initialisation.
-            training.set_seed(seed=cfg.seed)
         reference = self._build_model(cfg, initial)
         reference.eval()
         reference.requires_grad_(False)
@@ -355,9 +441,10 @@ class DiLoCoRecipe:
             collate_fn=list,
         )
 
-    def _restore(self, path: Any) -> None:
-        """Optimizer, LR schedule, RNGs, sampling generator, data position and this rank's
-        DiLoCo state from ``path`` (the local weights were loaded from its ``model/``)."""
+    def _restore(self, path: Any) -> dict[str, Any]:
+        """Optimizer, LR schedule, RNGs, sampling generator, data position, non-finite guard,
+        EMA teacher and this rank's DiLoCo state from ``path`` (the local weights were loaded
+        from its ``model/``); returns the recipe state for channel 3's pairs."""
         state = load_training_state(
             path,
             model=self.model,
@@ -369,18 +456,27 @@ class DiLoCoRecipe:
         self.epoch = state["epoch"]
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
+        self.guard.load_state_dict(state["nonfinite_guard"])
+        load_ema_teacher_state(
+            self.ema_teacher,
+            state,
+            source=path,
+            device=self.dist.device,
+            cpu_offload=self.cfg.fsdp_cpu_offload,
+        )
         self.diloco.load_outer_state_dict(state["diloco"][self.dist.rank])
         if self.dist.is_main:
             print(
                 f"resumed from {path} at step {self.step}, outer step {self.diloco.outer_step}",
                 flush=True,
             )
+        return state
 
     # ----------------------------------------------------------------------------- training
 
     def train(self) -> None:
         cfg = self.cfg
-        before = None if self.resumed else self.evaluate()
+        before = (None, {}) if self.resumed else self.evaluate()
         progress = tqdm(
             initial=self.diloco.outer_step,
             total=self.max_outer_steps,
@@ -393,25 +489,55 @@ class DiLoCoRecipe:
         saved_outer_step = self.diloco.outer_step if self.resumed else None
         with self.diloco:
             while self.diloco.outer_step < self.max_outer_steps:
-                # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
-                rollout = self._rollout(next(prompt_batches))
-                rollout_metrics = self._rollout_metrics(rollout)
-                # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-                advantages = self._advantages(rollout)
-                # 3. Inner optimiser steps on the generation batch: its slices, num_iterations
+                # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
+                # reference) log-probs. Channel 3 alone trains on pairs only.
+                rollout, batch_metrics = None, {}
+                if self.channels.needs_rollouts:
+                    rollout = sample_rollouts(
+                        self.model,
+                        next(prompt_batches),
+                        cfg,
+                        self.channels,
+                        tokenizer=self.tokenizer,
+                        reward=self.reward,
+                        generator=self.sampling_generator,
+                        reference=self.reference,
+                        on_policy=self._on_policy(),
+                        sync_ranks=self.dist.is_distributed,
+                    )
+                    batch_metrics = rollout_metrics(rollout)
+                # 2. Channel 1: group-relative advantages (after the KL penalty, kl_mode=reward).
+                advantages = None
+                if self.channels.policy_weight > 0:
+                    advantages = group_advantages(rollout, self.channels, cfg.group_size, self.dist)
+                # 3. Channel 2: the teacher's contexts, once over the whole generation batch so
+                # every row sees its group's siblings.
+                teacher_batch = None
+                if self.channels.sdpo.enabled:
+                    teacher_batch = build_sdpo_teacher_batch(
+                        rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
+                    )
+                # 4. Inner optimiser steps on the generation batch: its slices, num_iterations
                 # times. The optimizer step that ends a sync window also runs the sync.
-                rows_per_step = len(rollout) // cfg.steps_per_generation
+                rows_per_step = (
+                    len(rollout) // cfg.steps_per_generation if rollout is not None else 0
+                )
                 for iteration in range(cfg.num_iterations):
-                    for start in range(0, len(rollout), rows_per_step):
-                        step_rows = rollout.select(slice(start, start + rows_per_step))
+                    for index in range(cfg.steps_per_generation):
+                        rows = slice(index * rows_per_step, (index + 1) * rows_per_step)
+                        step_rows = rollout.select(rows) if rollout is not None else None
                         loss_metrics = self._optimizer_step(
                             step_rows,
-                            advantages[start : start + rows_per_step],
-                            on_policy=cfg.num_iterations == 1 and cfg.steps_per_generation == 1,
+                            advantages[rows] if advantages is not None else None,
+                            select_teacher_rows(teacher_batch, rows)
+                            if teacher_batch is not None
+                            else None,
+                            on_policy=self._on_policy(),
                         )
-                        window_tokens += float(
-                            (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
-                        )
+                        if step_rows is not None:
+                            window_tokens += float(
+                                (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
+                            )
                         self.step += 1
                         if self.step % cfg.logging.log_every_n_steps == 0:
                             elapsed = time.perf_counter() - window_start
@@ -420,7 +546,7 @@ class DiLoCoRecipe:
                             self._log(
                                 {
                                     **loss_metrics,
-                                    **rollout_metrics,
+                                    **batch_metrics,
                                     "iteration": float(iteration),
                                     "lr": self.optimizer.param_groups[0]["lr"],
                                     "tokens_per_second": total_tokens / max(elapsed, 1e-9),
@@ -428,12 +554,12 @@ class DiLoCoRecipe:
                                 }
                             )
                             window_start, window_tokens = time.perf_counter(), 0.0
-                # 4. The sync this batch ended with, if any (syncs fall between batches).
+                # 5. The sync this batch ended with, if any (syncs fall between batches).
                 synced = self._log_outer_steps(self.diloco.pop_outer_steps())
                 if not any(outer.committed for outer in synced):
                     continue
                 progress.update(self.diloco.outer_step - progress.n)
-                progress.set_postfix(reward=f"{rollout_metrics['reward/mean']:.3f}")
+                progress.set_postfix(loss=f"{loss_metrics['loss']:.4f}")
                 outer_step = self.diloco.outer_step
                 every_eval = cfg.eval_every_n_outer_steps
                 if every_eval and outer_step % every_eval == 0:
@@ -446,11 +572,28 @@ class DiLoCoRecipe:
             after = self.evaluate()
             if saved_outer_step != self.diloco.outer_step:  # the last sync was not saved yet
                 self.save_checkpoint()
-        if self.dist.is_main and before is not None and after is not None:
+        self._print_before_after(before, after)
+
+    def _print_before_after(self, before: tuple[Any, dict], after: tuple[Any, dict]) -> None:
+        """The run's summary lines: held-out accuracy and held-out pair metrics, both of the
+        global weights."""
+        if not self.dist.is_main:
+            return
+        (before_result, before_pairs), (after_result, after_pairs) = before, after
+        if before_result is not None and after_result is not None:
             print(
-                f"held-out accuracy (global weights): before {before.accuracy:.3f} -> after "
-                f"{after.accuracy:.3f} ({after.num_samples} problems, {self.step} inner steps, "
-                f"{self.diloco.outer_step} outer steps)",
+                f"held-out accuracy (global weights): before {before_result.accuracy:.3f} -> "
+                f"after {after_result.accuracy:.3f} ({after_result.num_samples} problems, "
+                f"{self.step} inner steps, {self.diloco.outer_step} outer steps)",
+                flush=True,
+            )
+        if before_pairs and after_pairs:
+            print(
+                f"held-out pairs (global weights): DPO accuracy before "
+                f"{before_pairs['eval/dpo_accuracy']:.3f} -> after "
+                f"{after_pairs['eval/dpo_accuracy']:.3f}, margin before "
+                f"{before_pairs['eval/dpo_margin']:.4f} -> after "
+                f"{after_pairs['eval/dpo_margin']:.4f} ({len(self.pairs.heldout)} pairs)",
                 flush=True,
             )
 
@@ -466,134 +609,44 @@ class DiLoCoRecipe:
             self.epoch += 1
             self.batches_in_epoch = 0
 
-    def _rollout(self, samples: list[dict[str, Any]]) -> RolloutBatch:
-        cfg = self.cfg
-        return collect_rollouts(
-            self.model,
-            self.tokenizer,
-            samples,
-            self.reward,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            generator=self.sampling_generator,
-            reference=self.reference,
-            enable_thinking=cfg.enable_thinking,
-            logprob_chunk_size=cfg.logprob_chunk_size,
-            forward_batch_size=cfg.micro_batch_size,
-            sync_ranks=self.dist.is_distributed,
-        )
-
-    def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:
-        rewards = rollout.rewards
-        loss_cfg = self.loss_cfg
-        if loss_cfg.beta > 0 and loss_cfg.kl_mode == "reward":
-            rewards = apply_kl_to_rewards(
-                rewards,
-                rollout.old_logp,
-                rollout.ref_logp,
-                rollout.completion_mask,
-                loss_cfg.beta,
-                loss_cfg.kl_estimator,
-            )
-        if loss_cfg.scale_rewards != "batch" or not self.dist.is_distributed:
-            return compute_advantages(rewards, self.cfg.group_size, loss_cfg.scale_rewards)
-        # Batch scaling takes the std over the replica's ranks: gather them, keep our rows.
-        gathered = torch.zeros(
-            (self.dist.world_size, rewards.numel()), dtype=rewards.dtype, device=rewards.device
-        )
-        gathered[self.dist.rank] = rewards
-        all_reduce_sum(gathered)
-        advantages = compute_advantages(gathered.reshape(-1), self.cfg.group_size, "batch")
-        return advantages.view(self.dist.world_size, -1)[self.dist.rank]
+    def _on_policy(self) -> bool:
+        """One optimiser step per generation batch: the sampling policy is the current one."""
+        return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
 
     def _optimizer_step(
-        self, rows: RolloutBatch, advantages: torch.Tensor, *, on_policy: bool
+        self,
+        rows: RolloutBatch | None,
+        advantages: torch.Tensor | None,
+        teacher_rows: Any,
+        *,
+        on_policy: bool,
     ) -> dict[str, float]:
-        """Forward/backward over micro-batches of ``rows``, clip, step; returns step metrics."""
-        cfg, loss_cfg = self.cfg, self.loss_cfg
-        micro_batches = rows.micro_batches(cfg.micro_batch_size)
-        # dapo/cispo normalise by the active tokens of the whole step on the replica's ranks;
-        # FSDP then averages gradients over those ranks, hence the division by world size.
-        active = rows.completion_mask
-        if loss_cfg.mask_truncated_completions:
-            active = apply_truncation_mask(active, rows.truncated)
-        global_tokens = all_reduce_sum(active.sum().double().reshape(1))
-        num_items = float(global_tokens.clamp(min=1)) / self.dist.world_size
-        totals: dict[str, float] = {}
-        loss_total = 0.0
-        for index, micro in enumerate(micro_batches):
-            start = index * cfg.micro_batch_size
-            logp, entropy = sequence_logprobs(
-                self.model,
-                micro.tokens,
-                micro.input_pos,
-                micro.completion_mask,
-                temperature=cfg.temperature,
-                chunk_size=cfg.logprob_chunk_size,
-                return_entropy=True,
-            )
-            # One optimiser step per generation batch: old_logp is the current logp (TRL).
-            old_logp = logp.detach() if on_policy else micro.old_logp
-            loss, metrics = policy_loss(
-                logp,
-                old_logp,
-                advantages[start : start + len(micro)],
-                micro.completion_mask,
-                loss_cfg,
-                ref_logp=micro.ref_logp,
-                num_items_in_batch=num_items,
-                truncated=micro.truncated,
-                entropy=entropy,
-            )
-            if loss_cfg.objective not in ("dapo", "cispo"):
-                loss = loss / len(micro_batches)  # gradient accumulation over micro-batches
-            loss.backward()
-            loss_total += float(loss.detach())
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value) / len(micro_batches)
-        grad_norm = None
-        if cfg.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), max_norm=cfg.clip_grad_norm
-            )
+        """Forward/backward of every channel that is on, clip, inner step (and, at the end of a
+        sync window, the sync); returns step metrics. Arguments as composer_full's."""
+        pair_batch = self.pairs.next_batch() if self.pairs is not None else None
+        losses = self.objective.backward(
+            rows, advantages, teacher_rows, pair_batch, on_policy=on_policy
+        )
+        # The norm is always computed (max_norm=inf does not clip): the guard checks it.
+        max_norm = self.cfg.clip_grad_norm if self.cfg.clip_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
+        applied = self.guard.check(self.step + 1, losses.loss, grad_norm)
+        if not applied:
+            # A skipped step keeps its slot in the sync window: with no gradients the inner
+            # optimizer updates nothing, but its step() below still runs DiLoCo's hook.
+            self.optimizer.zero_grad(set_to_none=True)
         # DiLoCoTrainer's hook runs a fragment sync inside this call at the end of a window.
         self.optimizer.step()
+        if applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if self.ema_teacher is not None:
+                self.ema_teacher.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        # Rank means of the loss and the per-micro-batch-averaged metrics.
-        names = ["loss", *totals]
-        values = torch.tensor([loss_total, *totals.values()], dtype=torch.float64)
-        values = all_reduce_sum(values.to(self.dist.device)).cpu() / self.dist.world_size
-        step_metrics = dict(zip(names, values.tolist(), strict=True))
-        step_metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-        return step_metrics
-
-    def _rollout_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
-        """Reward, accuracy, length and truncation statistics over the replica's rollouts."""
-        rewards = rollout.rewards.double()
-        lengths = rollout.completion_lengths.double()
-        sums = torch.stack(
-            [
-                torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-                rewards.sum(),
-                rewards.square().sum(),
-                rollout.correct.double().sum(),
-                lengths.sum(),
-                rollout.truncated.double().sum(),
-            ]
-        )
-        count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-        mean = reward_sum / count
         return {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
-            "accuracy": correct / count,
-            "completion_length/mean": length_sum / count,
-            "truncation_rate": truncated / count,
+            **losses.reduce(self.dist),
+            "grad_norm": float(grad_norm),
+            **self.guard.metrics(),
         }
 
     def _log_outer_steps(self, synced: list[OuterStepMetrics]) -> list[OuterStepMetrics]:
@@ -629,21 +682,42 @@ class DiLoCoRecipe:
                 for name, tensor in local.items():
                     _local(params[name]).copy_(tensor)
 
-    def evaluate(self) -> Any:
-        """Greedy held-out accuracy of the global weights (what the replicas agree on)."""
+    def evaluate(self) -> tuple[Any, dict[str, float]]:
+        """Greedy held-out accuracy (None without an eval dataset) and, with channel 3, the
+        held-out pair metrics ({} otherwise), both of the GLOBAL weights (what the replicas
+        agree on)."""
+        with self._global_weights():
+            return self._evaluate_generation(), self._evaluate_pairs()
+
+    def _evaluate_pairs(self) -> dict[str, float]:
+        if self.pairs is None:
+            return {}
+        metrics = self.pairs.evaluate(self.model, self.reference)
+        if metrics:
+            self._log(metrics)
+        if metrics and self.dist.is_main:
+            print(
+                f"[step {self.step}, outer step {self.diloco.outer_step}] held-out pairs: DPO "
+                f"loss {metrics['eval/dpo_loss']:.4f}, margin {metrics['eval/dpo_margin']:.4f}, "
+                f"accuracy {metrics['eval/dpo_accuracy']:.3f} over {len(self.pairs.heldout)} "
+                "pairs",
+                flush=True,
+            )
+        return metrics
+
+    def _evaluate_generation(self) -> Any:
         if self.eval_dataset is None:
             return None
-        with self._global_weights():
-            result = evaluate_heldout(
-                self.model,
-                self.tokenizer,
-                self.eval_dataset,
-                self.eval_reward,
-                dist_info=self.dist,
-                batch_size=self.cfg.eval_batch_size,
-                max_new_tokens=self.cfg.eval_max_new_tokens,
-                enable_thinking=self.cfg.enable_thinking,
-            )
+        result = evaluate_heldout(
+            self.model,
+            self.tokenizer,
+            self.eval_dataset,
+            self.eval_reward,
+            dist_info=self.dist,
+            batch_size=self.cfg.eval_batch_size,
+            max_new_tokens=self.cfg.eval_max_new_tokens,
+            enable_thinking=self.cfg.enable_thinking,
+        )
         self._log(
             {
                 "eval/accuracy": result.accuracy,
@@ -663,6 +737,7 @@ class DiLoCoRecipe:
     def save_checkpoint(self) -> None:
         """Atomic run checkpoint (composer_tune/checkpointing/run_state.py) with every rank's
         DiLoCo state in the recipe state; taken right after a sync. Collective."""
+        self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
             step=self.step,
@@ -675,6 +750,10 @@ class DiLoCoRecipe:
                 "epoch": self.epoch,
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": self._all_generator_states(),
+                "nonfinite_guard": self.guard.state_dict(),
+                # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
+                **(self.pairs.state_dict() if self.pairs is not None else {}),
+                **ema_teacher_state(self.ema_teacher, self.dist),
                 "diloco": self._all_outer_states(),
             },
             dist_info=self.dist,
@@ -737,7 +816,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 @config.parse(schema=DiLoCoRecipeConfig)
 def recipe_main(cfg: DictConfig) -> None:
-    """The composer inner loop (channel 1) under the DiLoCo outer loop, one replica."""
+    """The composer inner loop (channels 1-3; channel 3 is this project's own addition) under
+    the DiLoCo outer loop, one replica."""
     recipe = DiLoCoRecipe(cfg)
     if recipe.dist.is_main:
         print(OmegaConf.to_yaml(cfg), flush=True)

@@ -26,6 +26,9 @@ steps after its first committed sync with N participants; ``--stop-after-recover
 after a full (N) quorum, a smaller one, then K full ones; ``--stop-after-full N K`` after K full
 ones. Both stop rules look only at committed syncs, which every replica in a quorum sees alike,
 so all replicas stop at the same outer step.
+
+Also a test device for tests/test_diloco_recipe.py: :class:`FormatRewardNaNAt`, a reward that
+scores NaN at chosen calls, so that a recipe run skips chosen steps.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import signal
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +52,34 @@ from torch import nn
 from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer
 from composer_tune.diloco.launcher import RESTART_ENV
 from composer_tune.models import qwen3_tiny
+from composer_tune.rewards import FormatReward
+from composer_tune.rewards.base import RewardResult
 
 VOCAB = 64
 SEQ = 12
 BATCH = 4
 INNER_LR = 3e-3
+
+
+class FormatRewardNaNAt(FormatReward):
+    """``FormatReward`` whose ``nan_calls``-th calls (1-based) score every completion NaN: with
+    one generation batch per optimiser step, those steps' advantages and policy loss are NaN
+    and the recipe's non-finite guard skips them. Passed as
+    ``reward._component_=tests._diloco_replica.FormatRewardNaNAt reward.nan_calls=[...]``."""
+
+    def __init__(self, nan_calls: Sequence[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nan_calls = {int(call) for call in nan_calls}
+        self.calls = 0
+
+    def __call__(
+        self, completions: Sequence[str], samples: Sequence[Mapping[str, Any]]
+    ) -> list[RewardResult]:
+        self.calls += 1
+        results = super().__call__(completions, samples)
+        if self.calls not in self.nan_calls:
+            return results
+        return [RewardResult(math.nan, r.correct, r.feedback) for r in results]
 
 
 def build_model(seed: int) -> nn.Module:

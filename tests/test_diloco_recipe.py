@@ -1,17 +1,24 @@
-"""recipes/diloco.py: its configs and layout checks (fast), then end to end (slow): 2 replicas through tools/launch_diloco.py, exactly as a user
-types the one-machine command, then an exact resume of both replicas from their checkpoints.
+"""recipes/diloco.py: its configs, layout checks and pair sharding (fast), then end to end
+(slow): 2 replicas through tools/launch_diloco.py, exactly as a user types the one-machine
+command of the README, with all three channels of the composer loop on; an exact resume of both
+replicas from their checkpoints; one replica against composer_full.
 
 Checked from what the replicas write (checkpoints and DiskLogger metrics), against values
 computed here: after every sync both replicas hold bit-identical global weights (and, with
 fragment_update_alpha 0, local weights equal to them); the first outer step moved the global
 weights by lr * (1 + momentum) times the logged averaged pseudo-gradient norm (Nesterov SGD's
 first step); the logged communication reduction equals sync_every and every quorum had both
-replicas; a run resumed from the middle checkpoint ends with the same global weights as the
-uninterrupted run.
+replicas; every inner step trained channels 2 (SDPO) and 3 (trace-replay DPO) on every replica;
+a run resumed from the middle checkpoint continues at the saved pair position and ends with the
+same global weights (and the same channel-3 metrics) as the uninterrupted run. With one replica
+the inner steps log exactly composer_full's metrics (the shared composer_tune/composer_step.py
+step), a non-finite step is skipped in both yet keeps its place in the sync window, and the
+sync's outer step equals one computed here from composer_full's weights.
 
 Every run starts from the session's SFT warm start (``sft_warm_start`` in conftest.py).
 """
 
+import math
 import os
 import re
 import shutil
@@ -30,38 +37,55 @@ from composer_tune.checkpointing.run_state import (
     latest_checkpoint,
     load_model_weights,
 )
+from composer_tune.composer_step import PairChannel
 from composer_tune.diloco import split_into_fragments
+from composer_tune.distributed import DistInfo
+from composer_tune.dpo_channel import DPOChannelConfig
 from composer_tune.models import qwen3_tiny
+from recipes.composer_full import TIMING_METRICS, ComposerFullConfig
 from recipes.diloco import DiLoCoRecipe, DiLoCoRecipeConfig
-from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun
+from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe
 
 SYNC_EVERY = 2
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # cpu_smoke's outer optimizer (the DiLoCo paper's)
-# Tiny rollouts; a dense stand-in reward (the answer ends in an odd digit) so that every group
-# has reward spread and every inner step a gradient. Held-out evaluation still scores answers.
-QUICK = (
-    f"diloco.sync_every={SYNC_EVERY}",
+# The inner loop's overrides, shared with the composer_full run it is compared with. Tiny
+# rollouts; a dense stand-in reward (the answer ends in an odd digit) so that every group has
+# reward spread and every inner step a gradient (held-out evaluation still scores answers); 2
+# pairs per replica and step, so each replica's 4-pair shard takes 2 steps per epoch and a resume
+# lands mid-way through the pair stream. Channels 2 and 3 at cpu_smoke's weights.
+INNER = (
     "reward._component_=composer_tune.rewards.FormatReward",
     r"reward.pattern=\d*[13579]$",
     "num_prompts_per_generation=4",
     "group_size=4",
     "micro_batch_size=16",
     "eval_dataset.num_samples=16",
-    f"checkpoint.save_every_n_steps={SYNC_EVERY}",
+    "dpo.pairs_per_step=2",
     "logging.progress_bar=false",
 )
+QUICK = (
+    f"diloco.sync_every={SYNC_EVERY}",
+    f"checkpoint.save_every_n_steps={SYNC_EVERY}",
+    *INNER,
+)
+# The README's one-machine command (python and tune: this environment's), run by `launch`.
+LAUNCH_COMMAND = (
+    "python", "tools/launch_diloco.py", "--replicas", "2", "--",
+    "tune", "run", "recipes/diloco.py", "--config", "cpu_smoke",
+)  # fmt: skip
 # Whole launch on 2 busy cores; normally well under a minute.
 LAUNCH_TIMEOUT_S = 600
 
 
-def launch(output_dir: Path, sft: RecipeRun, *overrides: str) -> str:
-    """The one-machine command: lighthouse + 2 replicas of recipes/diloco.py --config cpu_smoke.
-    Returns the launcher's combined output; fails the test if any replica fails."""
-    command = [
-        sys.executable, "tools/launch_diloco.py", "--replicas", "2", "--",
-        TUNE, "run", "recipes/diloco.py", "--config", "cpu_smoke",
-        f"output_dir={output_dir}", f"warm_start.output_dir={sft.output_dir}",
-        *QUICK, *overrides,
+def launch(output_dir: Path, sft: RecipeRun, *overrides: str, replicas: int = 2) -> str:
+    """The one-machine command (``LAUNCH_COMMAND``): lighthouse + ``replicas`` replicas of
+    recipes/diloco.py --config cpu_smoke. Returns the launcher's combined output; fails the test
+    if any replica fails."""
+    executables = {"python": sys.executable, "tune": TUNE}
+    command = [executables.get(word, word) for word in LAUNCH_COMMAND]
+    command[command.index("--replicas") + 1] = str(replicas)
+    command += [
+        f"output_dir={output_dir}", f"warm_start.output_dir={sft.output_dir}", *QUICK, *overrides,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # Two replicas share 2 cores; one thread each also keeps the runs bit-reproducible.
@@ -109,10 +133,12 @@ def _fragment_to_model_names() -> dict[str, str]:
 MODEL_NAMES = _fragment_to_model_names()
 
 
-def logged(output_dir: Path, replica: int) -> dict[int, dict[str, float]]:
-    """Every metric of a replica's DiskLogger files: step -> {name: value}."""
+def logged(output_dir: Path, replica: int | None) -> dict[int, dict[str, float]]:
+    """Every metric of a replica's DiskLogger files (``replica=None``: a composer_full run's):
+    step -> {name: value}."""
+    log_dir = output_dir / (f"replica_{replica}" if replica is not None else "") / "logs"
     steps: dict[int, dict[str, float]] = {}
-    for log_file in sorted((output_dir / f"replica_{replica}" / "logs").glob("log_*.txt")):
+    for log_file in sorted(log_dir.glob("log_*.txt")):
         for line in log_file.read_text().splitlines():
             match = re.match(r"Step (\d+) \| (.*)", line)
             if match:
@@ -130,7 +156,8 @@ def outer_steps(output_dir: Path, replica: int) -> list[dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def two_replicas(sft_warm_start: RecipeRun, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two replicas, 3 outer steps of SYNC_EVERY inner steps, a checkpoint after each sync."""
+    """Two replicas, all three channels, 3 outer steps of SYNC_EVERY inner steps, a checkpoint
+    after each sync."""
     output_dir = tmp_path_factory.mktemp("diloco")
     output = launch(output_dir, sft_warm_start, f"max_steps={3 * SYNC_EVERY}")
     assert "[launcher] replica 0 finished" in output and "[launcher] replica 1 finished" in output
@@ -200,6 +227,36 @@ def test_every_sync_is_logged_with_both_replicas_and_sync_every_times_less_traff
 
 
 @pytest.mark.slow
+def test_every_inner_step_trains_channels_2_and_3_on_every_replica(two_replicas: Path) -> None:
+    for replica in (0, 1):
+        metrics = logged(two_replicas, replica)
+        for step in range(1, 3 * SYNC_EVERY + 1):
+            m = metrics[step]
+            assert m["sdpo/valid_tokens"] > 0, (replica, step, m)  # channel 2 distilled
+            assert 0 < m["sdpo/divergence"] < math.inf, (replica, step, m)
+            assert 0 < m["dpo/loss"] < math.inf, (replica, step, m)  # channel 3 trained
+            assert m["skipped_nonfinite_steps"] == 0
+        # Channel 3's reference is the warm start: the first step's implicit rewards are zero
+        # (up to float noise), later ones are not, and held-out pair metrics of the global
+        # weights were measured before and after.
+        assert metrics[1]["dpo/rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+        assert metrics[3 * SYNC_EVERY]["dpo/rewards/margins"] != pytest.approx(0.0, abs=1e-6)
+        evals = [step for step, m in sorted(metrics.items()) if "eval/dpo_accuracy" in m]
+        assert evals == [0, 3 * SYNC_EVERY]
+        assert metrics[3 * SYNC_EVERY]["eval/dpo_loss"] != metrics[0]["eval/dpo_loss"]
+
+
+def pair_position_after(steps: int, train_pairs: int, replicas: int, pairs_per_step: int) -> dict:
+    """Where a replica's pair stream stands after ``steps`` steps: its shard (train_pairs //
+    replicas pairs) is cut into batches of pairs_per_step, a new epoch starts when it is used."""
+    batches_per_epoch = (train_pairs // replicas) // pairs_per_step
+    return {
+        "epoch": (steps - 1) // batches_per_epoch,
+        "batches_in_epoch": (steps - 1) % batches_per_epoch + 1,
+    }
+
+
+@pytest.mark.slow
 def test_resume_from_the_middle_checkpoint_ends_on_the_same_global_weights(
     two_replicas: Path, sft_warm_start: RecipeRun, tmp_path: Path
 ) -> None:
@@ -214,12 +271,92 @@ def test_resume_from_the_middle_checkpoint_ends_on_the_same_global_weights(
         "checkpoint.resume_from_checkpoint=latest",
     )
     assert output.count(f"at step {2 * SYNC_EVERY}, outer step 2") == 2, output[-4000:]
+    cfg = load("cpu_smoke", *INNER)
+    train_pairs = int(re.search(r"dpo: (\d+) training pairs", output).group(1))
     for replica in (0, 1):
+        # Channel 3 resumed at its saved pair position: the checkpoints hold the position of
+        # 2 (then 3) outer steps of pairs, and the resumed steps trained on the very pairs the
+        # uninterrupted run did (same DPO metrics, bit for bit), neither repeating nor skipping.
+        for outer_step, run in ((2, two_replicas), (3, tmp_path)):
+            state = torch.load(
+                checkpoint(run, replica, outer_step * SYNC_EVERY) / TRAINING_STATE,
+                map_location="cpu",
+                weights_only=False,
+            )
+            assert state["recipe_state"]["pair_stream"] == pair_position_after(
+                outer_step * SYNC_EVERY, train_pairs, 2, cfg.dpo.pairs_per_step
+            )
+        resumed_log, uninterrupted_log = logged(tmp_path, replica), logged(two_replicas, replica)
+        for step in range(2 * SYNC_EVERY + 1, 3 * SYNC_EVERY + 1):
+            dpo = {k: v for k, v in resumed_log[step].items() if k.startswith("dpo/")}
+            assert dpo and dpo == {k: uninterrupted_log[step][k] for k in dpo}, step
         assert [s["diloco/outer_step"] for s in outer_steps(tmp_path, replica)] == [3.0]
         resumed = global_weights(checkpoint(tmp_path, replica, 3 * SYNC_EVERY))
         uninterrupted = global_weights(checkpoint(two_replicas, replica, 3 * SYNC_EVERY))
         for name, tensor in uninterrupted.items():
             assert torch.equal(resumed[name], tensor), (replica, name)
+
+
+def same_values(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Equal keys and values, NaN equal to NaN."""
+    return a.keys() == b.keys() and all(
+        a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in a
+    )
+
+
+@pytest.mark.slow
+def test_one_replica_inner_steps_are_composer_full_steps_and_a_skipped_step_keeps_its_slot(
+    sft_warm_start: RecipeRun, tmp_path: Path
+) -> None:
+    # One replica and one composer_full run on the same config, seed and data, all three
+    # channels on; every rollout of step 2 (the sync step) is scored NaN, so both skip it.
+    nan_at_step_2 = (
+        "reward._component_=tests._diloco_replica.FormatRewardNaNAt",
+        "reward.nan_calls=[2]",
+        f"max_steps={SYNC_EVERY}",
+    )
+    launch(tmp_path / "diloco", sft_warm_start, *nan_at_step_2, "diloco.min_replicas=1", replicas=1)
+    run_recipe(
+        "composer_full",
+        "cpu_smoke",
+        tmp_path / "full",
+        f"warm_start.output_dir={sft_warm_start.output_dir}",
+        *INNER,
+        *nan_at_step_2,
+    )
+    diloco, full = logged(tmp_path / "diloco", 0), logged(tmp_path / "full", None)
+    assert sorted(diloco) == sorted(full) == [0, 1, 2]
+
+    def comparable(metrics: dict[str, float], step: int) -> dict[str, float]:
+        # Not timings, not DiLoCo's own metrics, and not the final evaluation (composer_full
+        # scores its local weights, DiLoCo the global ones after the sync).
+        return {
+            k: v
+            for k, v in metrics.items()
+            if k not in TIMING_METRICS
+            and not k.startswith("diloco/")
+            and not (step == 2 and k.startswith("eval/"))
+        }
+
+    for step in (0, 1, 2):
+        got, expected = comparable(diloco[step], step), comparable(full[step], step)
+        assert same_values(got, expected), (step, got, expected)
+    assert diloco[1]["sdpo/valid_tokens"] > 0 and 0 < diloco[1]["dpo/loss"] < math.inf
+    assert math.isnan(diloco[2]["loss"]) and diloco[2]["skipped_nonfinite_steps"] == 1
+    # The skipped step kept its place in the window: the sync came after inner step 2 and
+    # counted 2 inner steps.
+    assert diloco[2]["diloco/outer_step"] == 1 and diloco[2]["diloco/inner_steps"] == SYNC_EVERY
+    # The outer step used the local weights composer_full ended with (step 1's update only):
+    # global_1 = global_0 - lr * (1 + momentum) * (global_0 - local), Nesterov's first step.
+    initial = load_model_weights(latest_checkpoint(sft_warm_start.output_dir) / "model")
+    local = load_model_weights(latest_checkpoint(tmp_path / "full") / "model")
+    synced = global_weights(checkpoint(tmp_path / "diloco", 0, SYNC_EVERY))
+    assert synced.keys() == local.keys()
+    assert any(not torch.equal(initial[name], local[name]) for name in local)  # step 1 trained
+    for name, value in synced.items():
+        pseudo_gradient = initial[name] - local[name]
+        expected = initial[name] - OUTER_LR * (1 + OUTER_MOMENTUM) * pseudo_gradient
+        torch.testing.assert_close(value, expected, msg=name)
 
 
 # ----------------------------------------------------------------------------- fast checks
@@ -279,3 +416,92 @@ def test_replica_id_must_fit_the_number_of_replicas(
     cfg = load("cpu_smoke", f"output_dir={tmp_path}", "num_replicas=2")
     with pytest.raises(ValueError, match="replica id 2 is outside 0 .. num_replicas - 1 = 1"):
         DiLoCoRecipe(cfg)
+
+
+def test_readme_and_config_header_give_the_command_ci_runs() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("### DiLoCo on one machine") :]
+    start = section.index("```bash") + len("```bash")
+    block = section[start : section.index("```", start)]
+    words = block.replace("\\\n", " ").split()
+    assert words == ["OMP_NUM_THREADS=1", *LAUNCH_COMMAND], words  # launch() sets the variable
+    header = (REPO_ROOT / "recipes/configs/diloco/cpu_smoke.yaml").read_text()
+    assert "#   " + " ".join(LAUNCH_COMMAND) + "\n" in header
+
+
+def test_cpu_smoke_inner_loop_is_composer_fulls() -> None:
+    """The DiLoCo smoke config trains exactly what composer_full's does (same warm start, task,
+    held-out set, channels): every key they share has the same value."""
+    diloco = OmegaConf.to_container(load("cpu_smoke", "output_dir=/run"), resolve=True)
+    full = OmegaConf.to_container(
+        config.load_config(
+            "cpu_smoke",
+            ["output_dir=/run"],
+            recipe_file=REPO_ROOT / "recipes" / "composer_full.py",
+            schema=ComposerFullConfig,
+        ),
+        resolve=True,
+    )
+    own = {"diloco", "num_replicas", "max_steps", "eval_every_n_outer_steps"}
+    assert set(diloco) - own <= set(full)
+    for key in sorted(set(diloco) - own):
+        assert diloco[key] == full[key], key
+    assert diloco["dataset"]["max_digits"] == diloco["eval_dataset"]["max_digits"] == 2
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_each_rank_of_each_replica_takes_its_own_pairs(ranks: int) -> None:
+    cfg = load("cpu_smoke", "output_dir=/run")
+    dpo = DPOChannelConfig.from_mapping(
+        {**OmegaConf.to_container(cfg.dpo), "reference": "live", "pairs_per_step": 2 * ranks}
+    )
+    tokenizer = config.instantiate(cfg.tokenizer)
+    channels = {
+        (replica, rank): PairChannel(
+            dpo,
+            model=torch.nn.Identity(),  # only read for a precomputed reference
+            tokenizer=tokenizer,
+            dist=DistInfo(world_size=ranks, rank=rank, device=torch.device("cpu")),
+            seed=0,
+            logprob_chunk_size=1024,
+            state={},
+            resumed=False,
+            num_replicas=2,
+            replica_id=replica,
+        )
+        for replica in (0, 1)
+        for rank in range(ranks)
+    }
+    train_pairs = {example.pair_id for example in next(iter(channels.values())).train}
+    shard = len(train_pairs) // (2 * ranks)
+    for _epoch in range(2):
+        used: dict[tuple[int, int], list[str]] = {key: [] for key in channels}
+        for key, channel in channels.items():
+            for _ in range(shard // 2):  # 2 pairs per rank and step
+                batch = channel.next_batch()
+                assert batch.num_pairs == 2
+                used[key] += batch.pair_ids
+        # Within an epoch the shards are disjoint and together use every pair but the tail.
+        everything = [pair for pairs in used.values() for pair in pairs]
+        assert len(set(everything)) == len(everything) == 2 * ranks * shard
+        assert set(everything) <= train_pairs
+
+
+def test_pairs_per_step_too_large_for_the_replicas_is_rejected() -> None:
+    cfg = load("cpu_smoke", "output_dir=/run")
+    dpo = DPOChannelConfig.from_mapping(
+        {**OmegaConf.to_container(cfg.dpo), "reference": "live", "pairs_per_step": 8}
+    )
+    with pytest.raises(ValueError, match=r"dpo.pairs_per_step=8 per replica over 2 replicas"):
+        PairChannel(
+            dpo,
+            model=torch.nn.Identity(),
+            tokenizer=config.instantiate(cfg.tokenizer),
+            dist=DistInfo(world_size=1, rank=0, device=torch.device("cpu")),
+            seed=0,
+            logprob_chunk_size=1024,
+            state={},
+            resumed=False,
+            num_replicas=2,
+            replica_id=0,
+        )

@@ -1,7 +1,13 @@
 """Run DiLoCo on one machine: a torchft lighthouse plus N replica processes (CPU / gloo).
 
-Example (the 2-replica smoke run CI executes; the replica is the test worker, a tiny Qwen3 with
-a next-token loss)::
+The 2-replica smoke run of the recipe (the README's command; the composer loop with all three
+channels as the inner loop; CI runs it in tests/test_diloco_recipe.py with smaller batches)::
+
+    OMP_NUM_THREADS=1 python tools/launch_diloco.py --replicas 2 -- \\
+        tune run recipes/diloco.py --config cpu_smoke
+
+and with the bare outer loop (the test worker, a tiny Qwen3 with a next-token loss; CI runs it
+in tests/test_diloco.py)::
 
     python tools/launch_diloco.py --replicas 2 -- \\
         python tests/_diloco_replica.py --outer-steps 4 --sync-every 4
