@@ -1,0 +1,368 @@
+"""tools/ladder.py and composer_tune/metrics_log.py.
+
+Fast: the DiskLogger parser against lines written here from known values; the ladder's table
+(accuracy at fixed steps as mean ± sample std, wall time, generated tokens, seeds) and plot
+bands recomputed here by hand from hand-made logs of three seeds of A1 and two two-replica
+DiLoCo seeds; override routing; refusals before any compute (unequal held-out sets, a --out made
+with other settings); and, with a stand-in ``tune`` that writes known logs or fails, failure
+recording (the other runs go on, finished results stay) and a rerun that skips completed runs and
+retries the failed one.
+
+Slow: one ladder through the real CLI (arm A1, 2 steps, from the session's SFT warm start): the
+step-0 accuracy equals the warm start's own last held-out accuracy (same weights, same held-out
+set), and the generated-token count equals the sum of the policy loss's logged ``num_tokens``
+(one micro-batch per step in cpu_smoke, so that count is the step's completion tokens).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from composer_tune.metrics_log import parse_metric_lines, read_metrics, series
+from tests.recipe_runs import REPO_ROOT, RecipeRun
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load_ladder():
+    spec = importlib.util.spec_from_file_location("ladder", REPO_ROOT / "tools" / "ladder.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ladder"] = module  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+ladder = _load_ladder()
+
+
+def _mean_std_by_hand(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _rows_per_step(recipe: str) -> float:
+    """Rollout rows per optimizer step, read from the arm's YAML here (not through load_config)."""
+    cfg = yaml.safe_load(
+        (REPO_ROOT / "recipes" / "configs" / recipe / "cpu_smoke.yaml").read_text()
+    )
+    return cfg["num_prompts_per_generation"] * cfg["group_size"] / cfg["steps_per_generation"]
+
+
+def _write_log(log_dir: Path, lines: list[str], name: str = "log_1000.txt") -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / name).write_text("".join(line + "\n" for line in lines))
+
+
+# ------------------------------------------------------------------------------ the parser
+
+
+def test_parser_reads_every_metric_and_later_lines_win(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    expected = {
+        step: {"loss": rng.uniform(-1, 1), "reward/mean": rng.random()} for step in range(1, 5)
+    }
+    lines = ["Writing logs to somewhere", "Step 0 | eval/accuracy:0.25 "]
+    lines += [
+        f"Step {step} | " + " ".join(f"{k}:{v}" for k, v in values.items()) + " "
+        for step, values in expected.items()
+    ]
+    lines.append("Step 4 | eval/accuracy:0.5 loss:nan ")  # a second line for step 4
+    expected[0] = {"eval/accuracy": 0.25}
+    expected[4].update({"eval/accuracy": 0.5})
+    parsed = parse_metric_lines(lines)
+    assert math.isnan(parsed[4].pop("loss"))
+    del expected[4]["loss"]
+    assert parsed == expected
+
+    # Two files of one run (a resume): the newer one's value wins at a shared step.
+    _write_log(tmp_path, ["Step 1 | loss:1.0 ", "Step 2 | loss:2.0 "], "log_1.txt")
+    _write_log(tmp_path, ["Step 2 | loss:-2.0 ", "Step 3 | loss:3.0 "], "log_2.txt")
+    os.utime(tmp_path / "log_1.txt", (1, 1))  # older, whatever the file system's clock says
+    assert series(read_metrics(tmp_path), "loss") == [(1, 1.0), (2, -2.0), (3, 3.0)]
+
+
+def test_parser_names_the_culprit(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"run\.txt:2: cannot read metric 'loss:tensor\(1\.\)'"):
+        parse_metric_lines(["Step 1 | loss:1.0 ", "Step 2 | loss:tensor(1.) "], source="run.txt")
+    with pytest.raises(ValueError, match=r"<lines>:1: .*'loss'"):
+        parse_metric_lines(["Step 1 | loss "])
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        read_metrics(tmp_path)
+
+
+# ------------------------------------------------------------------------------ aggregation
+
+
+def _args(tmp_path: Path, *extra: str):
+    return ladder.build_parser().parse_args(["--out", str(tmp_path / "out"), *extra])
+
+
+def _sft_cfg():
+    return ladder.load_config("cpu_smoke", [], recipe_file=REPO_ROOT / ladder.SFT_RECIPE)
+
+
+def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
+    args = _args(
+        tmp_path,
+        *("--arms", "a1", "diloco", "--seeds", "0", "1", "2", "--steps", "8"),
+        *("--eval-every", "2", "--diloco-sync-every", "2"),
+    )
+    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
+    rng = random.Random(1)
+    truth: dict[str, dict] = {}  # run key -> what its logs say
+    results = {"runs": {}}
+    for run in runs:
+        if run.key == "diloco/seed2":
+            continue  # DiLoCo finished only 2 seeds
+        accuracy = {step: rng.random() for step in range(0, 9, 2)}
+        replicas = []
+        for log_dir in run.log_dirs():
+            reward = {step: rng.random() for step in range(1, 9)}
+            length = {step: rng.uniform(2, 4) for step in range(1, 9)}
+            lines = [f"Step 0 | eval/accuracy:{accuracy[0]} completion_length/mean:99 "]
+            for step in range(1, 9):
+                lines.append(
+                    f"Step {step} | loss:0.1 reward/mean:{reward[step]} "
+                    f"completion_length/mean:{length[step]} "
+                )
+                if step % 2 == 0:
+                    lines.append(f"Step {step} | eval/accuracy:{accuracy[step]} ")
+            _write_log(log_dir, lines)
+            replicas.append((reward, length))
+        truth[run.key] = {"accuracy": accuracy, "replicas": replicas, "wall": rng.uniform(5, 50)}
+        results["runs"][run.key] = ladder.run_record(run, 0, truth[run.key]["wall"])
+
+    # Tokens: rows per step (from the arm's YAML) x mean length, summed over steps and replicas
+    # (step 0 is the evaluation before training, whatever it logs).
+    for key, record in results["runs"].items():
+        rows = _rows_per_step("grpo" if key.startswith("a1") else "diloco")
+        expected = sum(rows * sum(length.values()) for _, length in truth[key]["replicas"])
+        assert record["status"] == "ok"
+        assert record["generated_tokens"] == pytest.approx(expected, rel=1e-12)
+
+    report = ladder.report_steps(8, 2)
+    assert report == [0, 4, 8]
+    table = ladder.table_rows(results, ["a1", "diloco"], report)
+    assert table[0].startswith("| arm | held-out acc @ step 0 | held-out acc @ step 4 |")
+    for row, arm, seeds in ((table[2], "a1", [0, 1, 2]), (table[3], "diloco", [0, 1])):
+        keys = [f"{arm}/seed{seed}" for seed in seeds]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        expected_cells = [ladder.ARMS[arm].title]
+        for step in report:
+            mean, std = _mean_std_by_hand([truth[k]["accuracy"][step] for k in keys])
+            expected_cells.append(f"{mean:.3f} ± {std:.3f}")
+        mean, std = _mean_std_by_hand([truth[k]["wall"] for k in keys])
+        expected_cells.append(f"{mean:.0f} ± {std:.0f}")
+        tokens = [results["runs"][k]["generated_tokens"] for k in keys]
+        mean, std = _mean_std_by_hand(tokens)
+        expected_cells.append(f"{mean:.0f} ± {std:.0f}")
+        expected_cells.append(str(len(seeds)))
+        assert cells == expected_cells
+
+    # The reward band: per step, replicas averaged within a run, then mean ± std over seeds.
+    keys = ["diloco/seed0", "diloco/seed1"]
+    steps, means, stds = ladder.band_series(
+        [ladder.reward_series(results["runs"][k]) for k in keys]
+    )
+    assert steps == list(range(1, 9))
+    for step, mean, std in zip(steps, means, stds, strict=True):
+        per_seed = [sum(reward[step] for reward, _ in truth[k]["replicas"]) / 2 for k in keys]
+        assert (mean, std) == pytest.approx(_mean_std_by_hand(per_seed), rel=1e-12)
+
+
+def test_report_steps_and_single_seed_cells() -> None:
+    assert ladder.report_steps(12, 4) == [0, 4, 12]  # the last evaluation at or before 6
+    assert ladder.report_steps(2, 2) == [0, 2]
+    assert ladder.fmt_mean_std([0.25], 3) == "0.250"
+    assert ladder.fmt_mean_std([], 3) == "–"
+
+
+def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> None:
+    # An SFT config whose held-out set and task differ from every arm's own cpu_smoke config.
+    sft_cfg = ladder.load_config(
+        "cpu_smoke",
+        ["eval_dataset.num_samples=32", "eval_dataset.seed=5", "dataset.max_digits=3"],
+        recipe_file=REPO_ROOT / ladder.SFT_RECIPE,
+    )
+    runs = ladder.plan_runs(_args(tmp_path), ["warm_start.output_dir=/nowhere"], sft_cfg)
+    assert sorted({run.arm.key for run in runs}) == sorted(ladder.ARMS)
+    sft_yaml = yaml.safe_load((REPO_ROOT / "recipes/configs/sft/cpu_smoke.yaml").read_text())
+    expected = {**sft_yaml["eval_dataset"], "num_samples": 32, "seed": 5}
+    assert ladder.heldout_set(runs) == expected
+    for run in runs:
+        own = yaml.safe_load(
+            (
+                REPO_ROOT / "recipes/configs" / Path(run.arm.recipe).stem / "cpu_smoke.yaml"
+            ).read_text()
+        )
+        dataset = ladder.load_config(
+            "cpu_smoke", run.overrides, recipe_file=REPO_ROOT / run.arm.recipe
+        ).dataset
+        assert dataset.max_digits == 3  # the warm start's task...
+        assert dataset.seed == own["dataset"]["seed"]  # ...with the arm's own training problems
+
+
+def test_overrides_go_to_every_arm_or_one(tmp_path: Path) -> None:
+    per_arm = ladder.split_overrides(
+        ["optimizer.lr=1e-5", "a2:sdpo.weight=0.5", "a1:dpo.pairs=http://host:1/p"], ["a1", "a2"]
+    )
+    assert per_arm == {
+        "a1": ["optimizer.lr=1e-5", "dpo.pairs=http://host:1/p"],
+        "a2": ["optimizer.lr=1e-5", "sdpo.weight=0.5"],
+    }
+    with pytest.raises(ValueError, match="arm 'a3' is not in this ladder"):
+        ladder.split_overrides(["a3:x=1"], ["a1"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        ladder.split_overrides(["optimizer.lr"], ["a1"])
+
+    # An arm-only override of the held-out set is refused before anything runs.
+    with pytest.raises(SystemExit):
+        ladder.main(
+            ["--out", str(tmp_path), "--arms", "a1", "a2", "--override", "a2:eval_dataset.seed=7"]
+        )
+    assert not (tmp_path / "warm_start").exists()
+
+
+# ------------------------------------------------------------------------------ failures, resume
+
+FAKE_TUNE = """\
+#!{python}
+# Stand-in for `tune run RECIPE --config NAME key=value...`: logs known values, or fails.
+import os, sys, time
+from pathlib import Path
+
+overrides = dict(arg.split("=", 1) for arg in sys.argv[5:])
+seed, steps = int(overrides["seed"]), int(overrides["max_steps"])
+every = int(overrides["eval_every_n_steps"])
+with open(os.environ["FAKE_TUNE_CALLS"], "a") as calls:
+    calls.write(f"{{seed}}\\n")
+if str(seed) in os.environ.get("FAKE_TUNE_HANG", "").split(","):
+    time.sleep(600)
+if str(seed) in os.environ.get("FAKE_TUNE_FAIL", "").split(","):
+    print(f"boom: seed {{seed}} fails here")
+    sys.exit(3)
+logs = Path(overrides["output_dir"]) / "logs"
+logs.mkdir(parents=True)
+with open(logs / "log_1.txt", "w") as log:
+    log.write(f"Step 0 | eval/accuracy:{{0.1 * seed}} \\n")
+    for step in range(1, steps + 1):
+        log.write(f"Step {{step}} | reward/mean:{{step / 10}} completion_length/mean:3.0 \\n")
+        if step % every == 0:
+            log.write(f"Step {{step}} | eval/accuracy:{{0.1 * seed + 0.01 * step}} \\n")
+"""
+
+
+@pytest.fixture
+def fake_tune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    script = tmp_path / "fake_tune"
+    script.write_text(FAKE_TUNE.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setattr(ladder, "TUNE", str(script))
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_TUNE_CALLS", str(calls))
+    return calls
+
+
+def _hf_warm_start(tmp_path: Path) -> Path:
+    folder = tmp_path / "hf_model"  # only looked at, never loaded, by the stand-in
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_failure_is_recorded_and_rerun_retries_only_it(
+    tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        *("--out", str(out), "--arms", "a1", "--seeds", "0", "1", "2", "--steps", "4"),
+        *("--eval-every", "2", "--warm-start", str(_hf_warm_start(tmp_path))),
+    ]
+    monkeypatch.setenv("FAKE_TUNE_FAIL", "1")
+    assert ladder.main(argv) == 1  # a failure makes the exit status non-zero...
+    assert fake_tune.read_text().split() == ["0", "1", "2"]  # ...and the others went on
+    results = json.loads((out / "results.json").read_text())
+    failed = results["runs"]["a1/seed1"]
+    assert failed["status"] == "failed" and failed["returncode"] == 3
+    assert "boom: seed 1 fails here" in failed["log_tail"]
+    for seed in (0, 2):
+        record = results["runs"][f"a1/seed{seed}"]
+        assert record["status"] == "ok"
+        assert record["metrics"][0]["eval/accuracy"] == [
+            [0, 0.1 * seed],
+            [2, 0.1 * seed + 0.02],
+            [4, 0.1 * seed + 0.04],
+        ]
+        assert record["generated_tokens"] == 4 * _rows_per_step("grpo") * 3.0
+    markdown = (out / "results.md").read_text()
+    assert "| A1 GRPO | 0.100 ± 0.141 |" in markdown  # seeds 0 and 2: 0.0 and 0.2
+    assert "2 (1 failed: [1])" in markdown
+    assert "- a1 seed 1: exit status 3" in markdown
+    for name in ("accuracy.png", "reward.png"):
+        assert (out / name).read_bytes().startswith(PNG_MAGIC)
+
+    # The rerun runs the failed seed only; the finished records are kept as they were.
+    monkeypatch.delenv("FAKE_TUNE_FAIL")
+    fake_tune.write_text("")
+    assert ladder.main(argv) == 0
+    assert fake_tune.read_text().split() == ["1"]
+    rerun = json.loads((out / "results.json").read_text())
+    assert rerun["runs"]["a1/seed0"] == results["runs"]["a1/seed0"]
+    assert rerun["runs"]["a1/seed1"]["status"] == "ok"
+    assert "| A1 GRPO | 0.100 ± 0.100 |" in (out / "results.md").read_text()
+
+    # A run past --run-timeout is stopped and recorded as failed.
+    monkeypatch.setenv("FAKE_TUNE_HANG", "3")
+    timeout_argv = [*argv, "--seeds", "0", "1", "2", "3", "--run-timeout", "3"]
+    assert ladder.main(timeout_argv) == 1
+    hung = json.loads((out / "results.json").read_text())["runs"]["a1/seed3"]
+    assert hung["status"] == "failed" and hung["returncode"] == -signal.SIGTERM
+    assert "stopped: it ran past --run-timeout 3 s" in hung["log_tail"]
+    assert hung["wall_s"] < 60
+
+    # Other settings in the same --out are refused, not mixed into the table.
+    with pytest.raises(SystemExit):
+        ladder.main([*argv, "--override", "optimizer.lr=1e-5"])
+    assert fake_tune.read_text().split() == ["1", "3"]
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_ladder_end_to_end_through_the_cli(sft_warm_start: RecipeRun, tmp_path: Path) -> None:
+    out = tmp_path / "ladder"
+    command = [
+        *(sys.executable, str(REPO_ROOT / "tools" / "ladder.py"), "--out", str(out)),
+        *("--arms", "a1", "--steps", "2", "--seeds", "0", "--eval-every", "1"),
+        *("--warm-start", str(sft_warm_start.output_dir)),
+    ]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[1/1] a1/seed0: done in" in done.stdout
+
+    record = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
+    assert record["status"] == "ok"
+    accuracy = record["metrics"][0]["eval/accuracy"]
+    assert [step for step, _ in accuracy] == [0, 1, 2]
+    warm_start_accuracy = series(sft_warm_start.metrics(), "eval/accuracy")
+    assert accuracy[0][1] == warm_start_accuracy[-1][1]
+
+    run_logs = read_metrics(out / "runs" / "a1_seed0" / "logs")
+    assert record["generated_tokens"] == sum(value for _, value in series(run_logs, "num_tokens"))
+    assert (out / "runs" / "a1_seed0" / "run.log").read_text().startswith("$ ")
+    markdown = (out / "results.md").read_text()
+    assert f"| A1 GRPO | {accuracy[0][1]:.3f} | {accuracy[1][1]:.3f} | {accuracy[2][1]:.3f} |" in (
+        markdown
+    )
+    for name in ("accuracy.png", "reward.png"):
+        assert (out / name).read_bytes().startswith(PNG_MAGIC)

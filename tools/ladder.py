@@ -1,0 +1,790 @@
+"""The ladder: A1-A4 and DiLoCo from one A0 warm start, equal step budgets, several seeds.
+
+    python tools/ladder.py                                   # the default (see the budget below)
+    python tools/ladder.py --steps 40 --seeds 0 1 2 3 4 --eval-every 8 --out runs/ladder_40
+    python tools/ladder.py --arms a1 a2 --override optimizer.lr=1e-5 --override a2:sdpo.weight=0.5
+    python tools/ladder.py --warm-start outputs/sft_cpu_smoke --steps 4 --seeds 0 --eval-every 2 \
+        --diloco-sync-every 2
+
+One A0 SFT run (``recipes/sft.py``, ``--sft-config``) is trained into ``<out>/warm_start`` (or
+``--warm-start`` names an existing one: an SFT output folder or a Hugging Face model folder).
+Every arm then starts from it with the same ``max_steps`` (``--steps``), the same seeds, the
+warm start's held-out set and training-task distribution (the SFT config's ``eval_dataset``
+section and its ``dataset`` operations/digits, passed to every arm), and a held-out evaluation
+every ``--eval-every`` steps. The arms run their own ``cpu_smoke`` configs (``--config``),
+sequentially, through the real ``tune run`` console script (DiLoCo: 2 replicas under
+``tools/launch_diloco.py``, its ``diloco.sync_every`` set by ``--diloco-sync-every``), with
+``OMP_NUM_THREADS=1`` unless ``--omp-threads`` says otherwise. ``--override KEY=VALUE`` goes to
+every arm, ``--override ARM:KEY=VALUE`` to one (after the ladder's own overrides, so it wins).
+
+The DiLoCo arm's inner loop is A4's composer loop (all three channels, recipes/diloco.py). Steps
+are optimizer steps of one process; a DiLoCo replica takes that many inner steps, so DiLoCo
+samples twice the rollouts of a single-process arm (the tokens column shows it).
+
+The results folder holds ``runs/<arm>_seed<k>/`` (the run's console log ``run.log``, its
+DiskLogger files, its final checkpoint), ``results.json`` (settings, every metric series of every
+run, failures with their log tails; rewritten atomically after each run), ``results.md`` (the
+table below) and ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std band). A failed
+run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
+run and retries failed ones. The table, per arm: held-out accuracy at step 0, at the last
+evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, wall time per run, generated tokens per run (see below) and the
+number of seeds.
+
+Tokens: the recipes log ``tokens_per_second`` over each logging window, not a count, nor the
+window's length, so the count cannot be read back. The ladder counts the rollout tokens each
+optimizer step trained on, from what is logged: ``completion_length/mean`` (the mean over the
+step's generation batch) times the rows per step (``num_prompts_per_generation * group_size /
+steps_per_generation`` of the run's resolved config), summed over steps and DiLoCo replicas.
+Prompt tokens, and the DPO pairs of A3/A4, are not in it. (The policy loss's ``num_tokens`` is a
+per-micro-batch mean: the same count only when a step is one micro-batch on one rank.)
+
+Default budget (--steps 24 --seeds 0 1 2 --eval-every 4 --diloco-sync-every 4: 15 arm-runs),
+measured with OMP_NUM_THREADS=1 on a 2-core machine shared with other jobs (load average about
+4): one seed of the default, the five arms from an existing warm start (``--seeds 0
+--warm-start ...``), took 272 s (A1 32 s, A2 47 s, A3 40 s, A4 45 s, DiLoCo 100 s); the A0 SFT
+warm start takes 3.4 min (about 7 min on a heavily shared machine). So the default takes about
+3 x 4.5 + 3.4 = 17 min (about 21 min with the slow warm start); --warm-start skips its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python tools/ladder.py` from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from composer_tune.checkpointing.run_state import latest_checkpoint  # noqa: E402
+from composer_tune.config import load_config  # noqa: E402
+from composer_tune.metrics_log import Metrics, read_metrics, series  # noqa: E402
+
+TUNE = str(Path(sys.executable).parent / "tune")
+ACCURACY, REWARD, COMPLETION_LENGTH = "eval/accuracy", "reward/mean", "completion_length/mean"
+LOG_TAIL_CHARS = 4000
+# Console lines echoed while a run goes (the rest is in its run.log).
+PROGRESS_MARKERS = ("held-out accuracy", "Error", "error:")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One rung of the ladder: a recipe run from the shared warm start."""
+
+    key: str  # as --arms and --override ARM:... name it
+    title: str
+    recipe: str  # path from the repository root
+    replicas: int = 1  # > 1: DiLoCo replicas under tools/launch_diloco.py
+
+
+ARMS = {
+    arm.key: arm
+    for arm in (
+        Arm("a1", "A1 GRPO", "recipes/grpo.py"),
+        Arm("a2", "A2 SDPO", "recipes/sdpo.py"),
+        Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py"),
+        Arm("a4", "A4 composer_full", "recipes/composer_full.py"),
+        Arm("diloco", "DiLoCo (A4 loop, 2 replicas)", "recipes/diloco.py", replicas=2),
+    )
+}
+SFT_RECIPE = "recipes/sft.py"
+# The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
+TASK_KEYS = ("operations", "min_digits", "max_digits")
+
+
+# ------------------------------------------------------------------------------ command lines
+
+
+def _override_value(value: Any) -> str:
+    """A config value as a ``key=value`` override writes it (YAML flow syntax)."""
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_override_value(item) for item in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def section_overrides(
+    name: str, section: dict[str, Any], keys: Sequence[str] | None = None
+) -> list[str]:
+    """``name.key=value`` overrides that set a config section's (scalar or list) keys."""
+    return [
+        f"{name}.{key}={_override_value(value)}"
+        for key, value in section.items()
+        if keys is None or key in keys
+    ]
+
+
+def split_overrides(overrides: Sequence[str], arms: Sequence[str]) -> dict[str, list[str]]:
+    """``--override`` values per arm: ``KEY=VALUE`` goes to every arm, ``ARM:KEY=VALUE`` to one.
+
+    Raises:
+        ValueError: naming an override without ``=`` or for an arm not in the ladder.
+    """
+    per_arm: dict[str, list[str]] = {arm: [] for arm in arms}
+    for override in overrides:
+        head, colon, rest = override.partition(":")
+        targeted = bool(colon) and "=" not in head
+        assignment = rest if targeted else override
+        if "=" not in assignment or assignment.startswith("="):
+            raise ValueError(f"--override {override!r}: expected KEY=VALUE or ARM:KEY=VALUE")
+        if not targeted:
+            for arm in arms:
+                per_arm[arm].append(override)
+        elif head in per_arm:
+            per_arm[head].append(assignment)
+        else:
+            raise ValueError(
+                f"--override {override!r}: arm {head!r} is not in this ladder ({', '.join(arms)})"
+            )
+    return per_arm
+
+
+def warm_start_overrides(path: Path) -> list[str]:
+    """How an arm starts from ``path``: an SFT output folder, or a Hugging Face model folder.
+
+    Raises:
+        FileNotFoundError: naming ``path`` when it is neither.
+    """
+    if latest_checkpoint(path) is not None:
+        return [f"warm_start.output_dir={path}"]
+    if (path / "config.json").is_file():
+        return ["warm_start=null", f"checkpoint.initial_checkpoint={path}"]
+    raise FileNotFoundError(
+        f"--warm-start {path}: neither an SFT output folder with a complete checkpoint "
+        "(checkpoints/step_*/) nor a Hugging Face model folder (config.json + weights)"
+    )
+
+
+@dataclass
+class PlannedRun:
+    """One arm at one seed: where it writes and the command that runs it."""
+
+    arm: Arm
+    seed: int
+    run_dir: Path
+    overrides: list[str]  # the recipe's key=value overrides, output_dir first
+    config: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.arm.key}/seed{self.seed}"
+
+    def command(self) -> list[str]:
+        recipe = [TUNE, "run", self.arm.recipe, "--config", self.config, *self.overrides]
+        if self.arm.replicas == 1:
+            return recipe
+        launcher = str(REPO_ROOT / "tools" / "launch_diloco.py")
+        return [sys.executable, launcher, "--replicas", str(self.arm.replicas), "--", *recipe]
+
+    def rows_per_step(self) -> float:
+        """Rollout rows one optimizer step of one process trains on (resolved config)."""
+        cfg = load_config(self.config, self.overrides, recipe_file=REPO_ROOT / self.arm.recipe)
+        return cfg.num_prompts_per_generation * cfg.group_size / cfg.steps_per_generation
+
+    @property
+    def log_path(self) -> Path:
+        """The run's console output (stdout and stderr)."""
+        return self.run_dir / "run.log"
+
+    def log_dirs(self) -> list[Path]:
+        """The DiskLogger folder of each process replica (DiLoCo: replica_<i>/logs)."""
+        if self.arm.replicas == 1:
+            return [self.run_dir / "logs"]
+        return [self.run_dir / f"replica_{i}" / "logs" for i in range(self.arm.replicas)]
+
+
+def plan_runs(args: argparse.Namespace, warm_start: list[str], sft_cfg: Any) -> list[PlannedRun]:
+    """Every (arm, seed) run of the ladder, seed-major (a cut-short ladder has whole seeds).
+
+    Raises:
+        ValueError: naming a bad ``--override``.
+    """
+    per_arm = split_overrides(args.override, args.arms)
+    shared = [
+        f"max_steps={args.steps}",
+        "logging.log_every_n_steps=1",  # every step's rollout statistics (the token count)
+        "logging.progress_bar=false",
+        *warm_start,
+        *section_overrides("eval_dataset", _plain(sft_cfg.eval_dataset)),
+        *section_overrides("dataset", _plain(sft_cfg.dataset), TASK_KEYS),
+    ]
+    runs = []
+    for seed in args.seeds:
+        for key in args.arms:
+            arm = ARMS[key]
+            run_dir = (args.out / "runs" / f"{key}_seed{seed}").resolve()
+            if arm.replicas == 1:
+                cadence = [f"eval_every_n_steps={args.eval_every}"]
+            else:
+                cadence = [
+                    f"diloco.sync_every={args.diloco_sync_every}",
+                    f"eval_every_n_outer_steps={args.eval_every // args.diloco_sync_every}",
+                ]
+            overrides = [f"output_dir={run_dir}", f"seed={seed}", *shared, *cadence, *per_arm[key]]
+            runs.append(PlannedRun(arm, seed, run_dir, overrides, args.config))
+    return runs
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(section, resolve=True)
+
+
+def heldout_set(runs: Sequence[PlannedRun]) -> dict[str, Any]:
+    """The ``eval_dataset`` section every arm resolves to (overrides applied).
+
+    Raises:
+        ValueError: naming the arm whose held-out set differs from the first arm's.
+    """
+    first_arm_of: dict[str, PlannedRun] = {}
+    for run in runs:
+        first_arm_of.setdefault(run.arm.key, run)
+    sections = {
+        key: _plain(
+            load_config(
+                run.config, run.overrides, recipe_file=REPO_ROOT / run.arm.recipe
+            ).eval_dataset
+        )
+        for key, run in first_arm_of.items()
+    }
+    reference_key, reference = next(iter(sections.items()))
+    for key, section in sections.items():
+        if section != reference:
+            raise ValueError(
+                f"arm {key} would be evaluated on another held-out set than {reference_key}: "
+                f"{section} vs {reference} (an --override changed eval_dataset for one arm?)"
+            )
+    return reference
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def run_logged(
+    command: Sequence[str], log_path: Path, *, env: dict[str, str], timeout: float | None
+) -> tuple[int, float]:
+    """Runs ``command`` (its own process group) with stdout+stderr into ``log_path``.
+
+    Echoes progress lines (held-out accuracies, errors) indented. A run past ``timeout`` seconds
+    gets SIGTERM, then SIGKILL after 30 s, on its whole group (DiLoCo's replicas included).
+
+    Returns:
+        (exit status, wall seconds); the status is negative for a signal, as subprocess has it.
+    """
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        timed_out = threading.Event()
+
+        def stop_on_timeout() -> None:
+            timed_out.set()
+            _stop_group(process)
+
+        watchdog = threading.Timer(timeout, stop_on_timeout) if timeout else None
+        if watchdog:
+            watchdog.start()
+        try:
+            for line in process.stdout:
+                log.write(line)
+                if any(marker in line for marker in PROGRESS_MARKERS):
+                    print("    " + line.split("; e.g.")[0].rstrip()[:200], flush=True)
+            status = process.wait()
+        except BaseException:  # Ctrl-C: leave no replica behind
+            _stop_group(process)
+            raise
+        finally:
+            if watchdog:
+                watchdog.cancel()
+        if timed_out.is_set():
+            log.write(f"\n[ladder] stopped: it ran past --run-timeout {timeout:.0f} s\n")
+    return status, time.perf_counter() - start
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group, SIGKILL if its leader is still there 30 s later."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return text[-chars:]
+
+
+def collect_metrics(run: PlannedRun) -> list[dict[str, list[list[float]]]]:
+    """Every metric series of every process replica: [{name: [[step, value], ...]}]."""
+    collected = []
+    for log_dir in run.log_dirs():
+        metrics: Metrics = read_metrics(log_dir) if log_dir.is_dir() else {}
+        names = sorted({name for values in metrics.values() for name in values})
+        collected.append({name: [list(point) for point in series(metrics, name)] for name in names})
+    return collected
+
+
+def generated_tokens(replica_metrics: Sequence[dict[str, list]], rows_per_step: float) -> float:
+    """Rollout tokens trained on: per logged step, rows x mean completion length; all replicas."""
+    return sum(
+        rows_per_step * value
+        for metrics in replica_metrics
+        for step, value in metrics.get(COMPLETION_LENGTH, [])
+        if step > 0  # step 0 holds only the evaluation before training
+    )
+
+
+def execute(run: PlannedRun, env: dict[str, str], timeout: float | None) -> dict[str, Any]:
+    """Runs one arm-seed from scratch and returns its results record (ok or failed)."""
+    if run.run_dir.exists():  # a failed earlier attempt: its logs and checkpoints would mix in
+        shutil.rmtree(run.run_dir)
+    run.run_dir.mkdir(parents=True)
+    status, wall = run_logged(run.command(), run.log_path, env=env, timeout=timeout)
+    return run_record(run, status, wall)
+
+
+def run_record(run: PlannedRun, status: int, wall_s: float) -> dict[str, Any]:
+    """The results record of a finished run: its metrics from its logs, or why it failed."""
+    record: dict[str, Any] = {
+        "arm": run.arm.key,
+        "seed": run.seed,
+        "command": run.command(),
+        "returncode": status,
+        "wall_s": wall_s,
+        "log": str(run.log_path),
+        "metrics": [],
+    }
+    try:
+        record["metrics"] = collect_metrics(run)
+        record["rows_per_step"] = run.rows_per_step()
+        record["generated_tokens"] = generated_tokens(record["metrics"], record["rows_per_step"])
+    except (OSError, ValueError) as err:  # an unreadable log fails the run, not the ladder
+        record["metrics_error"] = f"{type(err).__name__}: {err}"
+    ok = status == 0 and "metrics_error" not in record
+    record["status"] = "ok" if ok else "failed"
+    if not ok:
+        record["log_tail"] = _tail(run.log_path)
+    return record
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Writes ``data`` as JSON through a temporary file and a rename: never a half-written file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """An earlier ladder's results.json, or empty results when there is none."""
+    if not path.is_file():
+        return {"runs": {}}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a ladder results file ({err})") from None
+
+
+def should_skip(previous: dict[str, Any] | None, run: PlannedRun) -> bool:
+    """Whether an earlier attempt already completed this very run (same command).
+
+    Raises:
+        ValueError: when a completed run was made with another command (other settings): mixing
+            both in one table would compare unequal runs.
+    """
+    if previous is None or previous.get("status") != "ok":
+        return False
+    if previous.get("command") != run.command():
+        raise ValueError(
+            f"{run.key} in {run.run_dir.parent.parent} was completed with other settings:\n"
+            f"  then: {' '.join(previous.get('command', []))}\n  now:  {' '.join(run.command())}\n"
+            "use another --out for these settings"
+        )
+    return True
+
+
+# ------------------------------------------------------------------------------ aggregation
+
+
+def value_at(points: Sequence[Sequence[float]], step: int) -> float | None:
+    """The value a series logged at ``step`` (the last one, if several), else None."""
+    found = [value for at, value in points if at == step]
+    return found[-1] if found else None
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (n - 1; None for a single value)."""
+    if not values:
+        raise ValueError("mean_std of no values")
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return statistics.fmean(values), std
+
+
+def report_steps(steps: int, eval_every: int) -> list[int]:
+    """The steps the table reports: 0, the last evaluation at or before steps/2, and the final."""
+    mid = (steps // 2) // eval_every * eval_every
+    return sorted({0, mid, steps})
+
+
+def fmt_mean_std(values: Sequence[float], digits: int) -> str:
+    """A table cell: "mean ± std", the mean alone for one value, "–" for none."""
+    if not values:
+        return "–"
+    mean, std = mean_std(values)
+    if std is None:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def ok_records(results: dict[str, Any], arm: str) -> list[dict[str, Any]]:
+    """An arm's completed runs, by seed (failed runs stay out of the table and plots)."""
+    return sorted(
+        (r for r in results["runs"].values() if r["arm"] == arm and r["status"] == "ok"),
+        key=lambda r: r["seed"],
+    )
+
+
+def accuracy_series(record: dict[str, Any]) -> list[list[float]]:
+    """Held-out accuracy of a run (DiLoCo: replica 0's, which evaluates the global weights)."""
+    return record["metrics"][0].get(ACCURACY, []) if record["metrics"] else []
+
+
+def reward_series(record: dict[str, Any]) -> list[list[float]]:
+    """Training reward per step, averaged over process replicas (each samples its own rollouts)."""
+    by_step: dict[int, list[float]] = {}
+    for metrics in record["metrics"]:
+        for step, value in metrics.get(REWARD, []):
+            by_step.setdefault(int(step), []).append(value)
+    return [[step, statistics.fmean(values)] for step, values in sorted(by_step.items())]
+
+
+def table_rows(results: dict[str, Any], arms: Sequence[str], steps: Sequence[int]) -> list[str]:
+    """The markdown table: per arm, accuracy at ``steps``, wall time, tokens, seeds."""
+    header = (
+        "| arm | "
+        + " | ".join(f"held-out acc @ step {step}" for step in steps)
+        + " | wall time / run (s) | generated tokens / run | seeds |"
+    )
+    rows = [header, "|" + " --- |" * (len(steps) + 4)]
+    for key in arms:
+        records = ok_records(results, key)
+        cells = [ARMS[key].title]
+        for step in steps:
+            at_step = [value_at(accuracy_series(r), step) for r in records]
+            cells.append(fmt_mean_std([v for v in at_step if v is not None], 3))
+        cells.append(fmt_mean_std([r["wall_s"] for r in records], 0))
+        cells.append(fmt_mean_std([r["generated_tokens"] for r in records], 0))
+        failed = sorted(
+            r["seed"] for r in results["runs"].values() if r["arm"] == key and r["status"] != "ok"
+        )
+        seeds = str(len(records)) + (f" ({len(failed)} failed: {failed})" if failed else "")
+        cells.append(seeds)
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    steps = report_steps(settings["steps"], settings["eval_every"])
+    lines = [
+        "# Ladder results",
+        "",
+        f"Command: `{settings['command']}`",
+        "",
+        f"Warm start: `{results.get('warm_start', {}).get('path', '?')}`; every arm "
+        f"{settings['steps']} optimizer steps (DiLoCo: inner steps per replica), seeds "
+        f"{settings['seeds']}, held-out evaluation every {settings['eval_every']} steps on "
+        f"{', '.join(f'{k}={v}' for k, v in settings['heldout'].items())}.",
+        "",
+        *table_rows(results, settings["arms"], steps),
+        "",
+        "Held-out accuracy: greedy, mean ± sample std over the seeds that finished. Wall time: the "
+        "whole `tune run` (start-up and evaluations included). Generated tokens: rollout tokens "
+        "trained on, from the logs (rows per step x `completion_length/mean`, summed over steps "
+        "and replicas); prompt tokens and DPO pairs not included.",
+    ]
+    failed = [r for r in results["runs"].values() if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        for record in sorted(failed, key=lambda r: (r["arm"], r["seed"])):
+            lines.append(
+                f"- {record['arm']} seed {record['seed']}: exit status {record['returncode']}"
+                f"{'; ' + record['metrics_error'] if 'metrics_error' in record else ''} "
+                f"(log: `{record['log']}`; tail in results.json)"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def band_series(
+    per_seed: Sequence[Sequence[Sequence[float]]],
+) -> tuple[list[int], list[float], list[float]]:
+    """Steps every seed logged, with the mean and std (0 for one seed) over seeds."""
+    if not per_seed:
+        return [], [], []
+    common = set.intersection(*({int(step) for step, _ in points} for points in per_seed))
+    steps = sorted(common)
+    means, stds = [], []
+    for step in steps:
+        mean, std = mean_std([value_at(points, step) for points in per_seed])
+        means.append(mean)
+        stds.append(std or 0.0)
+    return steps, means, stds
+
+
+def require_matplotlib() -> Any:
+    """matplotlib's pyplot (Agg backend), or a clear error saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(
+            "the ladder's plots need matplotlib: pip install -e '.[dev]' (or pass --no-plots)"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
+    """accuracy.png and reward.png: per arm, the mean over seeds with a ±1 std band."""
+    written = []
+    for name, title, series_of, marker in (
+        ("accuracy.png", "held-out accuracy", accuracy_series, "o"),  # a few evaluations
+        ("reward.png", "training reward (reward/mean)", reward_series, None),  # every step
+    ):
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for key in results["settings"]["arms"]:
+            records = ok_records(results, key)
+            steps, means, stds = band_series([series_of(r) for r in records])
+            if not steps:
+                continue
+            (line,) = axes.plot(
+                steps, means, marker=marker, label=f"{ARMS[key].title} (n={len(records)})"
+            )
+            low = [m - s for m, s in zip(means, stds, strict=True)]
+            high = [m + s for m, s in zip(means, stds, strict=True)]
+            axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+        axes.set_xlabel("optimizer step")
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.set_ylabel(title)
+        axes.set_title(f"{title}: mean over seeds, band ±1 std")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=120)
+        plt.close(figure)
+        written.append(out / name)
+    return written
+
+
+# ------------------------------------------------------------------------------ main
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/ladder"), help="results folder")
+    parser.add_argument(
+        "--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms to run"
+    )
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per arm-run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm")
+    parser.add_argument(
+        "--eval-every", type=int, default=4, help="held-out evaluation every N steps"
+    )
+    parser.add_argument(
+        "--diloco-sync-every",
+        type=int,
+        default=4,
+        help="DiLoCo inner steps per sync (H); must divide --eval-every and --steps",
+    )
+    parser.add_argument("--config", default="cpu_smoke", help="config of every arm")
+    parser.add_argument(
+        "--warm-start",
+        type=Path,
+        help="reuse this A0 warm start (SFT output folder or HF model folder) instead of training",
+    )
+    parser.add_argument("--sft-config", default="cpu_smoke", help="config of the A0 SFT run")
+    parser.add_argument(
+        "--sft-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for the A0 SFT run (repeatable)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="[ARM:]KEY=VALUE",
+        help="override for every arm, or for one with ARM: (repeatable; wins over the ladder's)",
+    )
+    parser.add_argument(
+        "--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)"
+    )
+    parser.add_argument(
+        "--run-timeout", type=float, default=3600.0, help="seconds before a run is stopped"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return parser
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.steps < 1 or args.eval_every < 1:
+        parser.error("--steps and --eval-every must be positive")
+    if "diloco" in args.arms:
+        h = args.diloco_sync_every
+        if h < 1 or args.eval_every % h or args.steps % h:
+            parser.error(
+                f"--diloco-sync-every {h} must divide --eval-every ({args.eval_every}) and "
+                f"--steps ({args.steps}): DiLoCo evaluates its global weights at syncs"
+            )
+    if len(set(args.seeds)) != len(args.seeds) or len(set(args.arms)) != len(args.arms):
+        parser.error("--seeds and --arms must not repeat")
+
+
+def subprocess_env(omp_threads: int) -> dict[str, str]:
+    """The runs' environment: this one, OMP_NUM_THREADS pinned, unbuffered output."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = str(omp_threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def train_warm_start(
+    args: argparse.Namespace, path: Path, results: dict[str, Any], env: dict[str, str]
+) -> None:
+    """Trains the A0 SFT warm start into ``path`` unless a complete checkpoint is there already.
+
+    Raises:
+        RuntimeError: when the SFT run fails (no arm can start without it).
+    """
+    if latest_checkpoint(path) is not None:
+        print(f"warm start: {path}", flush=True)
+        return
+    command = [TUNE, "run", SFT_RECIPE, "--config", args.sft_config, f"output_dir={path}"]
+    command += ["logging.progress_bar=false", *args.sft_override]
+    print(f"warm start: training A0 SFT into {path}", flush=True)
+    if path.exists():  # an interrupted attempt
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    status, wall = run_logged(command, path / "run.log", env=env, timeout=args.run_timeout)
+    record = {"path": str(path), "command": command, "wall_s": wall, "returncode": status}
+    results["warm_start"] = record
+    if status != 0:
+        record["log_tail"] = _tail(path / "run.log")
+        raise RuntimeError(f"the A0 SFT warm start failed (exit {status}); see {path / 'run.log'}")
+    accuracy = series(read_metrics(path / "logs"), ACCURACY)
+    record["heldout_accuracy"] = accuracy[-1][1] if accuracy else None
+    print(f"warm start: trained in {wall:.0f} s", flush=True)
+
+
+def save(results: dict[str, Any], out: Path, plt: Any | None) -> None:
+    """results.json (atomically), results.md and the plots, from everything finished so far."""
+    write_json_atomic(out / "results.json", results)
+    (out / "results.md").write_text(render_markdown(results))
+    if plt is not None:
+        write_plots(results, out, plt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _validate(args, parser)
+    plt = None if args.no_plots else require_matplotlib()  # fail before the compute, not after
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_path = args.out / "results.json"
+    env = subprocess_env(args.omp_threads)
+    # Everything that can be refused is checked before any compute: the warm start, the
+    # overrides, equal held-out sets, and earlier runs in --out made with other settings.
+    try:
+        results = load_results(results_path)
+        sft_cfg = load_config(
+            args.sft_config, args.sft_override, recipe_file=REPO_ROOT / SFT_RECIPE
+        )
+        if args.warm_start is not None:
+            warm_start = args.warm_start.resolve()
+            warm_start_args = warm_start_overrides(warm_start)
+        else:
+            warm_start = (args.out / "warm_start").resolve()
+            warm_start_args = [f"warm_start.output_dir={warm_start}"]
+        runs = plan_runs(args, warm_start_args, sft_cfg)
+        heldout = heldout_set(runs)
+        pending = [run for run in runs if not should_skip(results["runs"].get(run.key), run)]
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    results["settings"] = {
+        "command": shlex.join(
+            ["python", "tools/ladder.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "arms": args.arms,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "heldout": heldout,
+    }
+    results.setdefault("warm_start", {"path": str(warm_start)})
+    if pending and args.warm_start is None:
+        try:
+            train_warm_start(args, warm_start, results, env)
+        except RuntimeError as err:
+            write_json_atomic(results_path, results)
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    failures = 0
+    for index, run in enumerate(runs, start=1):
+        progress = f"[{index}/{len(runs)}] {run.key}"
+        if run not in pending:
+            print(f"{progress}: completed earlier, skipped", flush=True)
+            continue
+        print(f"{progress}: {run.arm.title} ...", flush=True)
+        record = execute(run, env, args.run_timeout)
+        results["runs"][run.key] = record
+        save(results, args.out, plt)
+        if record["status"] == "ok":
+            accuracy = accuracy_series(record)
+            change = f"{accuracy[0][1]:.3f} -> {accuracy[-1][1]:.3f}" if accuracy else "not logged"
+            print(f"{progress}: done in {record['wall_s']:.0f} s, held-out accuracy {change}")
+        else:
+            failures += 1
+            print(f"{progress}: FAILED (exit {record['returncode']}), log {record['log']}")
+    save(results, args.out, plt)
+    print(f"results: {args.out / 'results.md'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
