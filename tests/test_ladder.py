@@ -5,8 +5,9 @@ Fast: the DiskLogger parser against lines written here from known values; the la
 bands recomputed here by hand from hand-made logs of three seeds of A1 and two two-replica
 DiLoCo seeds; override routing; refusals before any compute (unequal held-out sets, a --out made
 with other settings); and, with a stand-in ``tune`` that writes known logs or fails, failure
-recording (the other runs go on, finished results stay) and a rerun that skips completed runs and
-retries the failed one.
+recording (the other runs go on, finished results stay, a hung run is stopped at
+--run-timeout), a rerun that skips completed runs and retries the failed one, and the ladder's own
+warm start (trained once, reused by later runs; its failure stops the ladder before any arm).
 
 Slow: one ladder through the real CLI (arm A1, 2 steps, from the session's SFT warm start): the
 step-0 accuracy equals the warm start's own last held-out accuracy (same weights, same held-out
@@ -241,6 +242,21 @@ import os, sys, time
 from pathlib import Path
 
 overrides = dict(arg.split("=", 1) for arg in sys.argv[5:])
+if sys.argv[2] == "recipes/sft.py":  # the warm start: a complete checkpoint and its accuracy
+    with open(os.environ["FAKE_TUNE_CALLS"], "a") as calls:
+        calls.write("sft\\n")
+    if "sft" in os.environ.get("FAKE_TUNE_FAIL", "").split(","):
+        print("boom: sft fails here")
+        sys.exit(4)
+    checkpoint = Path(overrides["output_dir"]) / "checkpoints" / "step_0000010"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "model" / "config.json").write_text("{{}}")
+    (checkpoint / "training_state.pt").write_text("")
+    (Path(overrides["output_dir"]) / "logs").mkdir()
+    (Path(overrides["output_dir"]) / "logs" / "log_1.txt").write_text(
+        "Step 0 | eval/accuracy:0.0 \\nStep 10 | eval/accuracy:0.375 \\n"
+    )
+    sys.exit(0)
 seed, steps = int(overrides["seed"]), int(overrides["max_steps"])
 every = int(overrides["eval_every_n_steps"])
 with open(os.environ["FAKE_TUNE_CALLS"], "a") as calls:
@@ -333,6 +349,30 @@ def test_failure_is_recorded_and_rerun_retries_only_it(
     with pytest.raises(SystemExit):
         ladder.main([*argv, "--override", "optimizer.lr=1e-5"])
     assert fake_tune.read_text().split() == ["1", "3"]
+
+
+def test_warm_start_is_trained_once_and_its_failure_stops_the_ladder(
+    tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--arms", "a1", "--steps", "2", "--eval-every", "2"]
+    monkeypatch.setenv("FAKE_TUNE_FAIL", "sft")
+    assert ladder.main([*argv, "--seeds", "0"]) == 1
+    assert fake_tune.read_text().split() == ["sft"]  # no arm ran without a warm start
+    results = json.loads((out / "results.json").read_text())
+    assert "boom: sft fails here" in results["warm_start"]["log_tail"]
+    assert results["runs"] == {}
+
+    monkeypatch.delenv("FAKE_TUNE_FAIL")
+    fake_tune.write_text("")
+    assert ladder.main([*argv, "--seeds", "0"]) == 0
+    assert ladder.main([*argv, "--seeds", "0", "1"]) == 0  # a seed more: the same warm start
+    assert fake_tune.read_text().split() == ["sft", "0", "1"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["warm_start"]["heldout_accuracy"] == 0.375
+    warm_start = f"warm_start.output_dir={(out / 'warm_start').resolve()}"
+    for seed in (0, 1):
+        assert warm_start in results["runs"][f"a1/seed{seed}"]["command"]
 
 
 # ------------------------------------------------------------------------------ end to end
