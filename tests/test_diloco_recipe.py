@@ -9,8 +9,9 @@ fragment_update_alpha 0, local weights equal to them); the first outer step move
 weights by lr * (1 + momentum) times the logged averaged pseudo-gradient norm (Nesterov SGD's
 first step); the logged communication reduction equals sync_every and every quorum had both
 replicas; every inner step trained channels 2 (SDPO) and 3 (trace-replay DPO) on every replica;
-a run resumed from the middle checkpoint continues at the saved pair position and ends with the
-same global weights (and the same channel-3 metrics) as the uninterrupted run. With one replica
+a run resumed from the middle checkpoint continues at the saved pair position with the saved EMA
+teacher and ends with the same global weights (and the same channel-3 metrics) as the
+uninterrupted run. With one replica
 the inner steps log exactly composer_full's metrics (the shared composer_tune/composer_step.py
 step), a non-finite step is skipped in both yet keeps its place in the sync window, and the
 sync's outer step equals one computed here from composer_full's weights.
@@ -52,8 +53,11 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # cpu_smoke's outer optimizer (the DiLoCo p
 # rollouts; a dense stand-in reward (the answer ends in an odd digit) so that every group has
 # reward spread and every inner step a gradient (held-out evaluation still scores answers); 2
 # pairs per replica and step, so each replica's 4-pair shard takes 2 steps per epoch and a resume
-# lands mid-way through the pair stream. Channels 2 and 3 at cpu_smoke's weights.
+# lands mid-way through the pair stream. Channels 2 and 3 at cpu_smoke's weights, channel 2 with
+# an EMA teacher at a fast rate, so that an EMA restored wrongly on resume shows.
 INNER = (
+    "sdpo.teacher=ema",
+    "sdpo.ema_rate=0.5",
     "reward._component_=composer_tune.rewards.FormatReward",
     r"reward.pattern=\d*[13579]$",
     "num_prompts_per_generation=4",
