@@ -9,10 +9,11 @@ recording (the other runs go on, finished results stay, a hung run is stopped at
 --run-timeout), a rerun that skips completed runs and retries the failed one, and the ladder's own
 warm start (trained once, reused by later runs; its failure stops the ladder before any arm).
 
-Slow: one ladder through the real CLI (arm A1, 2 steps, from the session's SFT warm start): the
-step-0 accuracy equals the warm start's own last held-out accuracy (same weights, same held-out
-set), and the generated-token count equals the sum of the policy loss's logged ``num_tokens``
-(one micro-batch per step in cpu_smoke, so that count is the step's completion tokens).
+Slow: one ladder through the real CLI (arms A1 and DiLoCo, 2 steps, from the session's SFT warm
+start): each arm's step-0 accuracy equals the warm start's own last held-out accuracy (same
+weights, same held-out set), and the generated-token count equals the sum of the policy loss's
+logged ``num_tokens`` over steps and replicas (one micro-batch per step and replica in
+cpu_smoke, so that count is the step's completion tokens).
 """
 
 import importlib.util
@@ -212,7 +213,9 @@ def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> 
         assert dataset.seed == own["dataset"]["seed"]  # ...with the arm's own training problems
 
 
-def test_overrides_go_to_every_arm_or_one(tmp_path: Path) -> None:
+def test_overrides_go_to_every_arm_or_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     per_arm = ladder.split_overrides(
         ["optimizer.lr=1e-5", "a2:sdpo.weight=0.5", "a1:dpo.pairs=http://host:1/p"], ["a1", "a2"]
     )
@@ -225,12 +228,16 @@ def test_overrides_go_to_every_arm_or_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         ladder.split_overrides(["optimizer.lr"], ["a1"])
 
-    # An arm-only override of the held-out set is refused before anything runs.
-    with pytest.raises(SystemExit):
-        ladder.main(
-            ["--out", str(tmp_path), "--arms", "a1", "a2", "--override", "a2:eval_dataset.seed=7"]
-        )
-    assert not (tmp_path / "warm_start").exists()
+    # An arm-only override of the held-out set, and a key a recipe does not take, are refused
+    # before anything runs (no warm start is trained).
+    for bad, reason in (
+        ("a2:eval_dataset.seed=7", "arm a2 would be evaluated on another held-out set"),
+        ("a2:sdpo.wieght=0.5", "sdpo.wieght"),
+    ):
+        with pytest.raises(SystemExit):
+            ladder.main(["--out", str(tmp_path), "--arms", "a1", "a2", "--override", bad])
+        assert reason in capsys.readouterr().err
+        assert not (tmp_path / "warm_start").exists()
 
 
 # ------------------------------------------------------------------------------ failures, resume
@@ -383,26 +390,32 @@ def test_ladder_end_to_end_through_the_cli(sft_warm_start: RecipeRun, tmp_path: 
     out = tmp_path / "ladder"
     command = [
         *(sys.executable, str(REPO_ROOT / "tools" / "ladder.py"), "--out", str(out)),
-        *("--arms", "a1", "--steps", "2", "--seeds", "0", "--eval-every", "1"),
-        *("--warm-start", str(sft_warm_start.output_dir)),
+        *("--arms", "a1", "diloco", "--steps", "2", "--seeds", "0", "--eval-every", "2"),
+        *("--diloco-sync-every", "2", "--warm-start", str(sft_warm_start.output_dir)),
     ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[1/1] a1/seed0: done in" in done.stdout
+    assert "[2/2] diloco/seed0: done in" in done.stdout
 
-    record = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
-    assert record["status"] == "ok"
-    accuracy = record["metrics"][0]["eval/accuracy"]
-    assert [step for step, _ in accuracy] == [0, 1, 2]
-    warm_start_accuracy = series(sft_warm_start.metrics(), "eval/accuracy")
-    assert accuracy[0][1] == warm_start_accuracy[-1][1]
-
-    run_logs = read_metrics(out / "runs" / "a1_seed0" / "logs")
-    assert record["generated_tokens"] == sum(value for _, value in series(run_logs, "num_tokens"))
-    assert (out / "runs" / "a1_seed0" / "run.log").read_text().startswith("$ ")
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    warm_start_accuracy = series(sft_warm_start.metrics(), "eval/accuracy")[-1][1]
     markdown = (out / "results.md").read_text()
-    assert f"| A1 GRPO | {accuracy[0][1]:.3f} | {accuracy[1][1]:.3f} | {accuracy[2][1]:.3f} |" in (
-        markdown
-    )
+    for key, log_dirs in (
+        ("a1/seed0", [out / "runs" / "a1_seed0" / "logs"]),
+        ("diloco/seed0", [out / "runs" / "diloco_seed0" / f"replica_{i}" / "logs" for i in (0, 1)]),
+    ):
+        record = runs[key]
+        assert record["status"] == "ok"
+        accuracy = record["metrics"][0]["eval/accuracy"]
+        assert [step for step, _ in accuracy] == [0, 2]
+        # Same weights, same held-out set: the warm start's own last score.
+        assert accuracy[0][1] == warm_start_accuracy
+        title = ladder.ARMS[key.split("/")[0]].title
+        assert f"| {title} | {accuracy[0][1]:.3f} | {accuracy[1][1]:.3f} |" in markdown
+        # The policy loss's count of completion tokens, over every step of every replica.
+        logged = [value for d in log_dirs for _, value in series(read_metrics(d), "num_tokens")]
+        assert len(logged) == 2 * len(log_dirs)
+        assert record["generated_tokens"] == pytest.approx(sum(logged), rel=1e-12)
+    assert (out / "runs" / "a1_seed0" / "run.log").read_text().startswith("$ ")
     for name in ("accuracy.png", "reward.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC)

@@ -42,13 +42,15 @@ Default budget (--steps 24 --seeds 0 1 2 --eval-every 4 --diloco-sync-every 4: 1
 measured with OMP_NUM_THREADS=1 on a 2-core machine shared with other jobs (load average about
 4): one seed of the default, the five arms from an existing warm start (``--seeds 0
 --warm-start ...``), took 272 s (A1 32 s, A2 47 s, A3 40 s, A4 45 s, DiLoCo 100 s); the A0 SFT
-warm start takes 3.4 min (about 7 min on a heavily shared machine). So the default takes about
-3 x 4.5 + 3.4 = 17 min (about 21 min with the slow warm start); --warm-start skips its share.
+warm start took 4.3 min inside the ladder at that load (3.4 min at a lighter one; its config
+says about 7 min on a heavily shared machine). So the default takes about 3 x 4.5 + 4.3 = 18 min
+(about 21 min with the slowest warm start); --warm-start skips the warm start's share.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -65,10 +67,12 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # `python tools/ladder.py` from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
+# First on the path, from any working directory: the schemas are read from this repository's
+# `recipes` package, not from the broken one torchtune's wheel installs (the import hook of
+# composer_tune/recipe_finder.py only answers in the repository root).
+sys.path.insert(0, str(REPO_ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from composer_tune.checkpointing.run_state import latest_checkpoint  # noqa: E402
 from composer_tune.config import load_config  # noqa: E402
@@ -88,25 +92,46 @@ class Arm:
     key: str  # as --arms and --override ARM:... name it
     title: str
     recipe: str  # path from the repository root
+    schema: str  # the recipe's config dataclass, which validates the run's overrides
     replicas: int = 1  # > 1: DiLoCo replicas under tools/launch_diloco.py
 
 
 ARMS = {
     arm.key: arm
     for arm in (
-        Arm("a1", "A1 GRPO", "recipes/grpo.py"),
-        Arm("a2", "A2 SDPO", "recipes/sdpo.py"),
-        Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py"),
-        Arm("a4", "A4 composer_full", "recipes/composer_full.py"),
-        Arm("diloco", "DiLoCo (A4 loop, 2 replicas)", "recipes/diloco.py", replicas=2),
+        Arm("a1", "A1 GRPO", "recipes/grpo.py", "GRPOConfig"),
+        Arm("a2", "A2 SDPO", "recipes/sdpo.py", "SDPOConfig"),
+        Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py", "ReplayDPOConfig"),
+        Arm("a4", "A4 composer_full", "recipes/composer_full.py", "ComposerFullConfig"),
+        Arm(
+            "diloco",
+            "DiLoCo (A4 loop, 2 replicas)",
+            "recipes/diloco.py",
+            "DiLoCoRecipeConfig",
+            replicas=2,
+        ),
     )
 }
-SFT_RECIPE = "recipes/sft.py"
+SFT_RECIPE, SFT_SCHEMA = "recipes/sft.py", "SFTConfig"
 # The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
 TASK_KEYS = ("operations", "min_digits", "max_digits")
 
 
 # ------------------------------------------------------------------------------ command lines
+
+
+def load_recipe_config(
+    recipe: str, schema: str, config: str, overrides: Sequence[str]
+) -> DictConfig:
+    """A recipe's config as ``tune run`` resolves it, checked against the recipe's schema.
+
+    Raises:
+        ConfigError: naming the file and key of an override the recipe does not take.
+    """
+    module = importlib.import_module(f"recipes.{Path(recipe).stem}")
+    return load_config(
+        config, overrides, recipe_file=REPO_ROOT / recipe, schema=getattr(module, schema)
+    )
 
 
 def _override_value(value: Any) -> str:
@@ -191,9 +216,13 @@ class PlannedRun:
         launcher = str(REPO_ROOT / "tools" / "launch_diloco.py")
         return [sys.executable, launcher, "--replicas", str(self.arm.replicas), "--", *recipe]
 
+    def resolved_config(self) -> DictConfig:
+        """The config the run's recipe will see (see :func:`load_recipe_config`)."""
+        return load_recipe_config(self.arm.recipe, self.arm.schema, self.config, self.overrides)
+
     def rows_per_step(self) -> float:
         """Rollout rows one optimizer step of one process trains on (resolved config)."""
-        cfg = load_config(self.config, self.overrides, recipe_file=REPO_ROOT / self.arm.recipe)
+        cfg = self.resolved_config()
         return cfg.num_prompts_per_generation * cfg.group_size / cfg.steps_per_generation
 
     @property
@@ -245,21 +274,17 @@ def _plain(section: Any) -> dict[str, Any]:
 
 
 def heldout_set(runs: Sequence[PlannedRun]) -> dict[str, Any]:
-    """The ``eval_dataset`` section every arm resolves to (overrides applied).
+    """The ``eval_dataset`` section every arm resolves to (overrides applied and checked).
 
     Raises:
-        ValueError: naming the arm whose held-out set differs from the first arm's.
+        ValueError: naming the arm whose held-out set differs from the first arm's, or (a
+            ConfigError) an override an arm's recipe does not take.
     """
     first_arm_of: dict[str, PlannedRun] = {}
     for run in runs:
         first_arm_of.setdefault(run.arm.key, run)
     sections = {
-        key: _plain(
-            load_config(
-                run.config, run.overrides, recipe_file=REPO_ROOT / run.arm.recipe
-            ).eval_dataset
-        )
-        for key, run in first_arm_of.items()
+        key: _plain(run.resolved_config().eval_dataset) for key, run in first_arm_of.items()
     }
     reference_key, reference = next(iter(sections.items()))
     for key, section in sections.items():
@@ -732,9 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     # overrides, equal held-out sets, and earlier runs in --out made with other settings.
     try:
         results = load_results(results_path)
-        sft_cfg = load_config(
-            args.sft_config, args.sft_override, recipe_file=REPO_ROOT / SFT_RECIPE
-        )
+        sft_cfg = load_recipe_config(SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override)
         if args.warm_start is not None:
             warm_start = args.warm_start.resolve()
             warm_start_args = warm_start_overrides(warm_start)
