@@ -413,7 +413,7 @@ class SDPORecipe:
                         select_teacher_rows(teacher_batch, rows)
                         if teacher_batch is not None
                         else None,
-                        on_policy=cfg.num_iterations == 1 and cfg.steps_per_generation == 1,
+                        on_policy=self._on_policy(),
                     )
                     window_tokens += float(
                         (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
@@ -486,6 +486,21 @@ class SDPORecipe:
             logprob_chunk_size=cfg.logprob_chunk_size,
             forward_batch_size=cfg.micro_batch_size,
             sync_ranks=self.dist.is_distributed,
+            compute_old_logp=self._needs_old_logp(),
+        )
+
+    def _on_policy(self) -> bool:
+        """One optimiser step per generation batch: the sampling policy is the current one."""
+        return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
+
+    def _needs_old_logp(self) -> bool:
+        """Off-policy steps, KL in the reward and SDPO's importance-ratio clipping read the
+        sampling policy's log-probs; an on-policy step uses the current ones (no extra forward)."""
+        loss_cfg = self.loss_cfg
+        return (
+            not self._on_policy()
+            or (loss_cfg.beta > 0 and loss_cfg.kl_mode == "reward")
+            or (self.sdpo_cfg.enabled and self.sdpo_cfg.loss.is_clip is not None)
         )
 
     def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:

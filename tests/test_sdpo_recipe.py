@@ -9,7 +9,6 @@
 """
 
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from composer_tune.checkpointing import load_qwen3_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
 from composer_tune.data.tokenizer import Qwen3Tokenizer
 from composer_tune.evaluation import encode_prompts
+from composer_tune.metrics_log import parse_metric_lines
 from composer_tune.rewards import MathAnswerReward
 from composer_tune.rollout.generation import pack_sequences
 from composer_tune.rollout.rollouts import RolloutBatch
@@ -70,15 +70,11 @@ def _run(
 
 def _logged(log_file: Path) -> dict[int, dict[str, float]]:
     """Every metric of a DiskLogger file except timings: step -> {name: value}."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in log_file.read_text().splitlines():
-        match = re.match(r"Step (\d+) \| (.*)", line)
-        if match:
-            pairs = (item.rsplit(":", 1) for item in match.group(2).split())
-            steps.setdefault(int(match.group(1)), {}).update(
-                {name: float(value) for name, value in pairs if name not in TIMING_METRICS}
-            )
-    return steps
+    metrics = parse_metric_lines(log_file.read_text().splitlines(), source=str(log_file))
+    return {
+        step: {name: value for name, value in values.items() if name not in TIMING_METRICS}
+        for step, values in metrics.items()
+    }
 
 
 def test_weight_zero_is_grpo_exactly(sft_warm_start: RecipeRun, tmp_path: Path) -> None:
@@ -217,7 +213,9 @@ def test_sdpo_term_on_the_warm_start_matches_full_logits(warm_sides: tuple) -> N
 @pytest.mark.xfail(
     strict=True,
     reason="measured: the SFT warm start never saw a hint in a prompt and does not read it; "
-    "shown the answer it gives the gold answer LESS probability (about -9 nats per answer)",
+    "shown the answer it gives the gold answer LESS probability (-13 to -15 nats per answer vs "
+    "-1.7 without the hint). SFT with dataset.hint_rate=0.25 brings the hinted teacher to +0.25 "
+    "nats over the student but drops held-out accuracy 0.445 -> 0.180",
 )
 def test_teacher_with_the_answer_in_its_hint_prefers_the_gold_answer(warm_sides: tuple) -> None:
     student, teacher, answer_mask, _ = warm_sides

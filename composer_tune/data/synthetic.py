@@ -14,14 +14,15 @@ Two knobs shape the *demonstrations* (the ``target`` an SFT run imitates), never
 
 * ``slip_rate``: the share of problems with a carry (addition) or borrow (subtraction) out of
   the units column whose demonstration forgets it (27 + 15 demonstrated as 32, 21 - 2 as 29), a
-  stand-in for the systematic mistakes of real demonstration data. Imitation learns the mistake;
-  a verifiable reward can unlearn it. The smoke configs use it so that the RL arms have a known,
-  measurable error to correct in a few minutes of CPU.
+  stand-in for the systematic mistakes of real demonstration data, which imitation learns and a
+  verifiable reward may unlearn (an experiment the knob makes possible).
 * ``hint_rate``: the share of samples whose question carries a hint that reveals the answer,
-  in the wordings of SDPO's teacher contexts (composer_tune/sdpo/contexts.py). A model that
-  has seen hinted questions can read a hint, which SDPO's self-teacher relies on (pretrained
-  LLMs can; a model trained from scratch on bare questions cannot). Hinted demonstrations are
-  always correct.
+  in the wordings of SDPO's teacher contexts (composer_tune/sdpo/contexts.py). SDPO's
+  self-teacher relies on the model reading a hint, which pretrained LLMs do and a model trained
+  from scratch on bare questions does not. Hinted demonstrations are always correct.
+
+The shipped cpu_smoke configs use neither; recipes/configs/sdpo/cpu_smoke.yaml records what
+they did to the ~0.9M-parameter smoke model.
 """
 
 from __future__ import annotations
