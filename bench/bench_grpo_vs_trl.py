@@ -77,9 +77,6 @@ NOT_EQUAL = [
     "generation: TRL calls transformers' generate (HF KV cache, its sampling processors); "
     "composer-tune its own KV-cache generate. Same distribution, different random streams, "
     "so completion lengths can differ (both printed).",
-    "old log-probs: with one optimiser step per generation TRL skips the no-grad log-prob "
-    "forward after generation (old = current.detach()); composer-tune's collect_rollouts "
-    "always runs it (the recipe then also uses current.detach() in the loss).",
     "padding: TRL left-pads prompts and right-pads completions in the training forward "
     "(attention mask); composer-tune packs prompt+completion right-padded, no mask needed.",
     "log-prob head: TRL asks transformers for fused_lm_head log-probs of the completion "
@@ -253,7 +250,10 @@ class ComposerStep:
             f"optimizer.lr={args.lr}",
             "optimizer.betas=[0.9,0.99]",
             "optimizer.weight_decay=0.0",
-            "lr_scheduler.num_warmup_steps=0",  # cosine over max_steps, as TRL's below
+            # Cosine over max_steps without warm-up, as TRL's below (cpu_smoke's lr is constant).
+            "lr_scheduler._component_=torchtune.training.lr_schedulers."
+            "get_cosine_schedule_with_warmup",
+            "lr_scheduler.num_warmup_steps=0",
             "clip_grad_norm=1.0",
             "enable_thinking=false",
             "logging.progress_bar=false",
