@@ -119,9 +119,15 @@ def test_cpu_smoke_runs_all_channels(sft_warm_start: RecipeRun, tmp_path: Path) 
 
 
 def test_channel_one_alone_is_grpo(tmp_path: Path) -> None:
-    # Same seed, same overrides (A4's max_seq_len set to A1's so the configs differ in nothing
-    # but A4's switched-off channels).
-    common = [*MECHANICS, "max_steps=3", "steps_per_generation=1", "num_iterations=1"]
+    # Same seed, same overrides (A4's max_seq_len set to A1's and one LR schedule for both, so
+    # the configs differ in nothing but A4's switched-off channels).
+    common = [
+        *MECHANICS,
+        "max_steps=3",
+        "steps_per_generation=1",
+        "num_iterations=1",
+        "lr_scheduler=null",
+    ]
     _, grpo_forwards = run_in_process(
         GRPORecipe, GRPOConfig, "grpo", tmp_path / "grpo", [*common, "loss.beta=0.1"]
     )
