@@ -571,9 +571,5 @@ def load_ema_teacher_state(
         strict=True,
         cpu_offload=cpu_offload,
     )
-    # torchtune loads by assigning new tensors to the module (FSDP2 shards included), so the
-    # (teacher, student) pairs the EMA updates must be taken again: left as they were, every
-    # later update() would move the discarded tensors and the teacher would stay frozen at the
-    # restored weights (resume was not exact).
-    ema_teacher._pairs = EMATeacher._matched(ema_teacher.student, ema_teacher.module)
+    ema_teacher.rebind()  # torchtune's loader assigned new tensors to the teacher
     ema_teacher.num_updates = state["sdpo_ema"]["num_updates"]

@@ -370,6 +370,7 @@ class SDPORecipe:
                 strict=True,
                 cpu_offload=self.cfg.fsdp_cpu_offload,
             )
+            self.ema_teacher.rebind()  # the loader assigned new tensors to the teacher
             self.ema_teacher.num_updates = int(saved["num_updates"])
         else:
             self.ema_teacher.load_state_dict(saved)

@@ -505,6 +505,25 @@ def test_ema_teacher_update_state_dict_and_no_grad() -> None:
     assert all(parameter.grad is None for parameter in ema.module.parameters())
 
 
+def test_ema_teacher_follows_tensors_a_loader_assigned_after_rebind() -> None:
+    """torchtune's loader assigns new tensors to the teacher (as ``assign=True`` does): updates
+    reach them only after ``rebind()``."""
+    torch.manual_seed(0)
+    student = qwen3_tiny(vocab_size=64)
+    ema = EMATeacher(student, rate=0.5)
+    saved = {name: value.clone() for name, value in ema.module.state_dict().items()}
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(1.0)
+    ema.module.load_state_dict({k: v.clone() for k, v in saved.items()}, assign=True)
+    ema.update()
+    name, weight = next(iter(ema.module.named_parameters()))
+    torch.testing.assert_close(weight, saved[name], rtol=0, atol=0)  # stale pairs: frozen
+    ema.rebind()
+    ema.update()
+    torch.testing.assert_close(weight, saved[name] + 0.5, rtol=1e-6, atol=1e-6)
+
+
 def test_ema_teacher_rejects_bad_rate_and_mismatched_teacher() -> None:
     student = qwen3_tiny(vocab_size=64)
     with pytest.raises(ValueError, match="rate"):

@@ -729,6 +729,15 @@ class EMATeacher:
                 pairs.append((ours[name], value))
         return pairs
 
+    def rebind(self) -> None:
+        """Pair the teacher's tensors with the student's again, after a loader replaced them.
+
+        torchtune's ``load_from_full_model_state_dict`` (FSDP2 shards included) assigns new
+        tensors to a module instead of copying into the old ones; without this call every later
+        :meth:`update` would move the discarded tensors and the teacher would stay frozen.
+        """
+        self._pairs = self._matched(self.student, self.module)
+
     @torch.no_grad()
     def _copy_all(self) -> None:
         for ours, student in self._pairs:
