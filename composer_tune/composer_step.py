@@ -20,8 +20,8 @@ What is here:
   checked, and what they imply (rollouts, a reference model, old log-probs). A channel at
   weight 0 costs nothing: the recipe builds nothing for it and :class:`ComposerObjective` runs
   no forward for it.
-* :func:`sample_rollouts`, :func:`group_advantages`, :func:`rollout_metrics`: the rollout side of
-  channels 1 and 2.
+* :func:`sample_rollouts`, :func:`group_advantages`: the rollout side of channels 1 and 2 (the
+  rollout statistics are ``composer_tune.rollout.rollouts.rollout_metrics``).
 * :class:`ComposerObjective`: forward and backward of every channel that is on over one step's
   micro-batches and pair batch; :class:`StepLosses` is what it returns, ``reduce()`` the step's
   logged loss metrics over ranks.
@@ -33,7 +33,6 @@ What is here:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +62,11 @@ from composer_tune.losses import (
     preference_loss,
 )
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, sequence_logprobs
+from composer_tune.rollout.rollouts import (
+    RolloutBatch,
+    collect_rollouts,
+    sequence_logprobs,
+)
 from composer_tune.sdpo.channel import (
     SDPOChannelConfig,
     distilled_token_count,
@@ -226,32 +229,6 @@ def group_advantages(
     all_reduce_sum(gathered)
     advantages = compute_advantages(gathered.reshape(-1), group_size, "batch")
     return advantages.view(dist.world_size, -1)[dist.rank]
-
-
-def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics over every rank's rollouts
-    (collective)."""
-    rewards = rollout.rewards.double()
-    lengths = rollout.completion_lengths.double()
-    sums = torch.stack(
-        [
-            torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-            rewards.sum(),
-            rewards.square().sum(),
-            rollout.correct.double().sum(),
-            lengths.sum(),
-            rollout.truncated.double().sum(),
-        ]
-    )
-    count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-    mean = reward_sum / count
-    return {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
-        "accuracy": correct / count,
-        "completion_length/mean": length_sum / count,
-        "truncation_rate": truncated / count,
-    }
 
 
 # ----------------------------------------------------------------------------- the objective

@@ -38,7 +38,6 @@ which recipes/diloco.py's inner loop uses too.
 """
 
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -66,12 +65,13 @@ from composer_tune.composer_step import (
     ema_teacher_state,
     group_advantages,
     load_ema_teacher_state,
-    rollout_metrics,
     sample_rollouts,
 )
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
+    gather_generator_states,
+    peak_memory_metrics,
     setup_distributed,
     shard_decoder,
     teardown_distributed,
@@ -79,7 +79,7 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
@@ -445,7 +445,7 @@ class ComposerFullRecipe:
                                 "lr": self.optimizer.param_groups[0]["lr"],
                                 # Rollout tokens trained on (0 with channel 3 alone).
                                 "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **self._peak_memory(),
+                                **peak_memory_metrics(self.dist.device),
                             }
                         )
                         window_start, window_tokens = time.perf_counter(), 0.0
@@ -594,7 +594,7 @@ class ComposerFullRecipe:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batches_in_epoch": self.batches_in_epoch,
-                "sampling_generator": self._all_generator_states(),
+                "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
                 # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
                 **(self.pairs.state_dict() if self.pairs is not None else {}),
@@ -606,20 +606,6 @@ class ComposerFullRecipe:
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
-
-    def _all_generator_states(self) -> list[torch.Tensor]:
-        """Every rank's sampling-generator state (rank 0 writes the recipe state alone)."""
-        state = self.sampling_generator.get_state()
-        gathered = torch.zeros((self.dist.world_size, state.numel()), dtype=torch.int64)
-        gathered[self.dist.rank] = state.long()
-        gathered = all_reduce_sum(gathered.to(self.dist.device)).cpu()
-        return [row.to(torch.uint8) for row in gathered]
-
-    def _peak_memory(self) -> dict[str, float]:
-        if self.dist.device.type == "cuda":
-            return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        # Linux reports the resident-set high-water mark in KiB.
-        return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:

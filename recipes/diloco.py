@@ -65,7 +65,6 @@ import contextlib
 import fcntl
 import math
 import os
-import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -97,13 +96,14 @@ from composer_tune.composer_step import (
     ema_teacher_state,
     group_advantages,
     load_ema_teacher_state,
-    rollout_metrics,
     sample_rollouts,
 )
 from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer, OuterStepMetrics
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
+    gather_generator_states,
+    peak_memory_metrics,
     setup_distributed,
     shard_decoder,
     teardown_distributed,
@@ -111,7 +111,7 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
@@ -550,7 +550,7 @@ class DiLoCoRecipe:
                                     "iteration": float(iteration),
                                     "lr": self.optimizer.param_groups[0]["lr"],
                                     "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                    **self._peak_memory(),
+                                    **peak_memory_metrics(self.dist.device),
                                 }
                             )
                             window_start, window_tokens = time.perf_counter(), 0.0
@@ -749,7 +749,7 @@ class DiLoCoRecipe:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batches_in_epoch": self.batches_in_epoch,
-                "sampling_generator": self._all_generator_states(),
+                "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
                 # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
                 **(self.pairs.state_dict() if self.pairs is not None else {}),
@@ -763,14 +763,6 @@ class DiLoCoRecipe:
         if self.dist.is_main:
             print(f"saved checkpoint {path} at outer step {self.diloco.outer_step}", flush=True)
 
-    def _all_generator_states(self) -> list[torch.Tensor]:
-        """Every rank's sampling-generator state (rank 0 writes the recipe state alone)."""
-        state = self.sampling_generator.get_state()
-        gathered = torch.zeros((self.dist.world_size, state.numel()), dtype=torch.int64)
-        gathered[self.dist.rank] = state.long()
-        gathered = all_reduce_sum(gathered.to(self.dist.device)).cpu()
-        return [row.to(torch.uint8) for row in gathered]
-
     def _all_outer_states(self) -> list[dict[str, Any]] | None:
         """Every rank's DiLoCo state on rank 0, by rank: under FSDP2 each rank holds the global
         weights and outer momentum of its own shards only."""
@@ -780,12 +772,6 @@ class DiLoCoRecipe:
         gathered: list[Any] | None = [None] * self.dist.world_size if self.dist.is_main else None
         torch_dist.gather_object(state, gathered, dst=0)
         return gathered
-
-    def _peak_memory(self) -> dict[str, float]:
-        if self.dist.device.type == "cuda":
-            return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        # Linux reports the resident-set high-water mark in KiB.
-        return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:

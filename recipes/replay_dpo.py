@@ -30,7 +30,6 @@ composer_tune/ (channel-3 glue: composer_tune/dpo_channel.py).
 """
 
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +53,8 @@ from composer_tune.checkpointing.run_state import (
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
+    gather_generator_states,
+    peak_memory_metrics,
     setup_distributed,
     shard_decoder,
     teardown_distributed,
@@ -76,7 +77,12 @@ from composer_tune.losses import (
     policy_loss,
     preference_loss,
 )
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, sequence_logprobs
+from composer_tune.rollout.rollouts import (
+    RolloutBatch,
+    collect_rollouts,
+    rollout_metrics,
+    sequence_logprobs,
+)
 from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
@@ -382,7 +388,7 @@ class ReplayDPORecipe:
         while self.step < cfg.max_steps:
             # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
             rollout = self._rollout(next(prompt_batches))
-            rollout_metrics = self._rollout_metrics(rollout)
+            batch_metrics = rollout_metrics(rollout)
             # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
             advantages = self._advantages(rollout) * cfg.advantage_sign
             # 3. Optimiser steps on the generation batch: its slices, num_iterations times.
@@ -404,7 +410,7 @@ class ReplayDPORecipe:
                     progress.update(1)
                     progress.set_postfix(
                         loss=f"{loss_metrics['loss']:.4f}",
-                        reward=f"{rollout_metrics['reward/mean']:.3f}",
+                        reward=f"{batch_metrics['reward/mean']:.3f}",
                     )
                     if self.step % cfg.logging.log_every_n_steps == 0:
                         elapsed = time.perf_counter() - window_start
@@ -413,11 +419,11 @@ class ReplayDPORecipe:
                         self._log(
                             {
                                 **loss_metrics,
-                                **rollout_metrics,
+                                **batch_metrics,
                                 "iteration": float(iteration),
                                 "lr": self.optimizer.param_groups[0]["lr"],
                                 "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **self._peak_memory(),
+                                **peak_memory_metrics(self.dist.device),
                             }
                         )
                         window_start, window_tokens = time.perf_counter(), 0.0
@@ -596,30 +602,6 @@ class ReplayDPORecipe:
         step_metrics.update(self.guard.metrics())
         return step_metrics
 
-    def _rollout_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
-        """Reward, accuracy, length and truncation statistics over every rank's rollouts."""
-        rewards = rollout.rewards.double()
-        lengths = rollout.completion_lengths.double()
-        sums = torch.stack(
-            [
-                torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-                rewards.sum(),
-                rewards.square().sum(),
-                rollout.correct.double().sum(),
-                lengths.sum(),
-                rollout.truncated.double().sum(),
-            ]
-        )
-        count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-        mean = reward_sum / count
-        return {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
-            "accuracy": correct / count,
-            "completion_length/mean": length_sum / count,
-            "truncation_rate": truncated / count,
-        }
-
     def evaluate(self) -> tuple[Any, dict[str, float]]:
         """Held-out accuracy (None without an eval dataset) and held-out pair metrics ({}
         with channel 3 off)."""
@@ -690,7 +672,7 @@ class ReplayDPORecipe:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batches_in_epoch": self.batches_in_epoch,
-                "sampling_generator": self._all_generator_states(),
+                "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
                 **self._pair_state(),
             },
@@ -707,20 +689,6 @@ class ReplayDPORecipe:
             return {}
         # Ranks deal pairs from one shuffled order, so rank 0's position is every rank's.
         return {"pair_stream": self.pair_stream.state_dict(), "dpo_reference": self.pair_reference}
-
-    def _all_generator_states(self) -> list[torch.Tensor]:
-        """Every rank's sampling-generator state (rank 0 writes the recipe state alone)."""
-        state = self.sampling_generator.get_state()
-        gathered = torch.zeros((self.dist.world_size, state.numel()), dtype=torch.int64)
-        gathered[self.dist.rank] = state.long()
-        gathered = all_reduce_sum(gathered.to(self.dist.device)).cpu()
-        return [row.to(torch.uint8) for row in gathered]
-
-    def _peak_memory(self) -> dict[str, float]:
-        if self.dist.device.type == "cuda":
-            return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        # Linux reports the resident-set high-water mark in KiB.
-        return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:

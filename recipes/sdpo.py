@@ -22,7 +22,6 @@ The recipe reads top to bottom: ``SDPORecipe.setup()`` builds each part in a ``_
 """
 
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,8 @@ from composer_tune.checkpointing.run_state import (
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
+    gather_generator_states,
+    peak_memory_metrics,
     setup_distributed,
     shard_decoder,
     teardown_distributed,
@@ -62,7 +63,7 @@ from composer_tune.losses import (
     needs_reference_model,
     policy_loss,
 )
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts
+from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, rollout_metrics
 from composer_tune.sdpo import (
     SDPOChannelConfig,
     TeacherBatch,
@@ -391,7 +392,7 @@ class SDPORecipe:
         while self.step < cfg.max_steps:
             # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
             rollout = self._rollout(next(prompt_batches))
-            rollout_metrics = self._rollout_metrics(rollout)
+            batch_metrics = rollout_metrics(rollout)
             # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
             advantages = self._advantages(rollout) * cfg.advantage_sign
             # 3. SDPO teacher contexts, once per generation so every row sees all its siblings.
@@ -423,7 +424,7 @@ class SDPORecipe:
                     progress.update(1)
                     progress.set_postfix(
                         loss=f"{loss_metrics['loss']:.4f}",
-                        reward=f"{rollout_metrics['reward/mean']:.3f}",
+                        reward=f"{batch_metrics['reward/mean']:.3f}",
                     )
                     if self.step % cfg.logging.log_every_n_steps == 0:
                         elapsed = time.perf_counter() - window_start
@@ -432,11 +433,11 @@ class SDPORecipe:
                         self._log(
                             {
                                 **loss_metrics,
-                                **rollout_metrics,
+                                **batch_metrics,
                                 "iteration": float(iteration),
                                 "lr": self.optimizer.param_groups[0]["lr"],
                                 "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **self._peak_memory(),
+                                **peak_memory_metrics(self.dist.device),
                             }
                         )
                         window_start, window_tokens = time.perf_counter(), 0.0
@@ -620,30 +621,6 @@ class SDPORecipe:
         step_metrics.update(reduce_sdpo_metrics(sdpo_metrics, self.dist.device))
         return step_metrics
 
-    def _rollout_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
-        """Reward, accuracy, length and truncation statistics over every rank's rollouts."""
-        rewards = rollout.rewards.double()
-        lengths = rollout.completion_lengths.double()
-        sums = torch.stack(
-            [
-                torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-                rewards.sum(),
-                rewards.square().sum(),
-                rollout.correct.double().sum(),
-                lengths.sum(),
-                rollout.truncated.double().sum(),
-            ]
-        )
-        count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-        mean = reward_sum / count
-        return {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
-            "accuracy": correct / count,
-            "completion_length/mean": length_sum / count,
-            "truncation_rate": truncated / count,
-        }
-
     def evaluate(self) -> Any:
         if self.eval_dataset is None:
             return None
@@ -678,7 +655,7 @@ class SDPORecipe:
             "step": self.step,
             "epoch": self.epoch,
             "batches_in_epoch": self.batches_in_epoch,
-            "sampling_generator": self._all_generator_states(),
+            "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
             "nonfinite_guard": self.guard.state_dict(),
         }
         if self.ema_teacher is not None:
@@ -701,20 +678,6 @@ class SDPORecipe:
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
-
-    def _all_generator_states(self) -> list[torch.Tensor]:
-        """Every rank's sampling-generator state (rank 0 writes the recipe state alone)."""
-        state = self.sampling_generator.get_state()
-        gathered = torch.zeros((self.dist.world_size, state.numel()), dtype=torch.int64)
-        gathered[self.dist.rank] = state.long()
-        gathered = all_reduce_sum(gathered.to(self.dist.device)).cpu()
-        return [row.to(torch.uint8) for row in gathered]
-
-    def _peak_memory(self) -> dict[str, float]:
-        if self.dist.device.type == "cuda":
-            return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        # Linux reports the resident-set high-water mark in KiB.
-        return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:

@@ -7,6 +7,7 @@ One code path serves a single CPU process, ``torchrun`` on CPU (gloo) and ``torc
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +78,21 @@ def barrier() -> None:
 def teardown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_generator_states(generator: torch.Generator, dist_info: DistInfo) -> list[torch.Tensor]:
+    """Every rank's state of ``generator`` (collective), indexed by rank: rank 0 writes a run
+    checkpoint's recipe state alone, and each rank restores its own entry on resume."""
+    state = generator.get_state()
+    gathered = torch.zeros((dist_info.world_size, state.numel()), dtype=torch.int64)
+    gathered[dist_info.rank] = state.long()
+    gathered = all_reduce_sum(gathered.to(dist_info.device)).cpu()
+    return [row.to(torch.uint8) for row in gathered]
+
+
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """The process's peak memory so far, for metric logs: CUDA's allocator peak on a GPU, the
+    resident-set high-water mark elsewhere (Linux reports ``ru_maxrss`` in KiB)."""
+    if device.type == "cuda":
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -21,6 +21,7 @@ Top-k / top-p truncation is not reflected in them (TRL does not either).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
 from composer_tune.rewards.base import Reward
 from composer_tune.rollout.generation import generate, pack_sequences
@@ -316,3 +318,29 @@ def collect_rollouts(
             [r.correct is not None for r in results], dtype=torch.bool, device=device
         ),
     )
+
+
+def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
+    """Reward, accuracy, length and truncation statistics over every rank's rollouts
+    (collective)."""
+    rewards = rollout.rewards.double()
+    lengths = rollout.completion_lengths.double()
+    sums = torch.stack(
+        [
+            torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
+            rewards.sum(),
+            rewards.square().sum(),
+            rollout.correct.double().sum(),
+            lengths.sum(),
+            rollout.truncated.double().sum(),
+        ]
+    )
+    count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
+    mean = reward_sum / count
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
+        "accuracy": correct / count,
+        "completion_length/mean": length_sum / count,
+        "truncation_rate": truncated / count,
+    }
