@@ -17,7 +17,7 @@ from composer_tune.recipe_finder import MARKER
 TUNE = str(Path(sys.executable).parent / "tune")
 
 ECHO_RECIPE = """
-import json, os
+import json, os, sys
 from dataclasses import dataclass
 from composer_tune.config import parse
 
@@ -29,7 +29,10 @@ class EchoConfig:
 @parse(schema=EchoConfig)
 def main(cfg):
     rank = os.environ.get("RANK", "single")
-    print("ECHO", rank, json.dumps({"greeting": cfg.greeting, "repeat": cfg.repeat}), flush=True)
+    line = "ECHO " + rank + " " + json.dumps({"greeting": cfg.greeting, "repeat": cfg.repeat})
+    # One write per line: two ranks share the pipe, and print's separate writes interleave.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
 
 if __name__ == "__main__":
     main()
