@@ -11,16 +11,23 @@ Every RL arm starts from a supervised checkpoint. A recipe config names the run 
 :func:`resolve_warm_start` returns the ``model/`` folder of the newest complete checkpoint in
 ``output_dir``; if there is none yet it first runs
 ``tune run <recipe> --config <config> output_dir=<output_dir> <overrides...>`` in a subprocess.
-Under torchrun only rank 0 trains (single process); the other ranks wait at a barrier.
+Under torchrun only rank 0 trains (single process); the other ranks wait at a barrier. Rank 0
+holds an exclusive file lock (``<output_dir>.lock``) while it checks and trains, so several runs
+started together (DiLoCo replicas on one machine, a ladder) train the warm start once: the
+first trains it, the others wait and then find it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint
 from composer_tune.distributed import DistInfo, barrier
@@ -89,19 +96,10 @@ def resolve_warm_start(section: WarmStartSection, dist_info: DistInfo) -> Path:
     Raises:
         RuntimeError: if the warm-start run fails or leaves no complete checkpoint.
     """
-    if dist_info.is_main and latest_checkpoint(section.output_dir) is None:
-        command = warm_start_command(section)
-        print(
-            f"warm start: no complete checkpoint in {section.output_dir}; training it with: "
-            f"{' '.join(command)}",
-            flush=True,
-        )
-        env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
-        completed = subprocess.run(command, env=env, check=False)
-        if completed.returncode != 0:
-            raise RuntimeError(
-                f"warm start: `{' '.join(command)}` exited with status {completed.returncode}"
-            )
+    if dist_info.is_main:
+        with _file_lock(Path(f"{section.output_dir}.lock")):
+            if latest_checkpoint(section.output_dir) is None:
+                _train(section)
     barrier()
     checkpoint = latest_checkpoint(section.output_dir)
     if checkpoint is None:
@@ -112,3 +110,49 @@ def resolve_warm_start(section: WarmStartSection, dist_info: DistInfo) -> Path:
     if dist_info.is_main:
         print(f"warm start: initial weights from {checkpoint / MODEL_DIR}", flush=True)
     return checkpoint / MODEL_DIR
+
+
+def initial_checkpoint(
+    warm_start: Mapping[str, Any] | None, checkpoint: str | None, dist_info: DistInfo
+) -> str | None:
+    """The weights a recipe starts from: the ``warm_start`` run's model folder (trained first
+    if missing; collective) or ``checkpoint.initial_checkpoint``; None means random init.
+
+    Raises:
+        ValueError: if both are set.
+    """
+    if warm_start is None:
+        return checkpoint
+    if checkpoint is not None:
+        raise ValueError(
+            "set either warm_start or checkpoint.initial_checkpoint, not both "
+            f"(got initial_checkpoint={checkpoint})"
+        )
+    return str(resolve_warm_start(WarmStartSection(**warm_start), dist_info))
+
+
+def _train(section: WarmStartSection) -> None:
+    command = warm_start_command(section)
+    print(
+        f"warm start: no complete checkpoint in {section.output_dir}; training it with: "
+        f"{' '.join(command)}",
+        flush=True,
+    )
+    env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
+    completed = subprocess.run(command, env=env, check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"warm start: `{' '.join(command)}` exited with status {completed.returncode}"
+        )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing), held for the duration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

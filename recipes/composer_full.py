@@ -47,12 +47,10 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 from tqdm import tqdm
 
 from composer_tune import config
 from composer_tune.checkpointing.run_state import (
-    load_model_weights,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -73,15 +71,15 @@ from composer_tune.distributed import (
     gather_generator_states,
     peak_memory_metrics,
     setup_distributed,
-    shard_decoder,
     teardown_distributed,
 )
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
+from composer_tune.model_setup import build_decoder
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
-from composer_tune.warm_start import WarmStartSection, resolve_warm_start
+from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -249,47 +247,22 @@ class ComposerFullRecipe:
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
-        if cfg.warm_start is None:
-            return cfg.checkpoint.initial_checkpoint
-        if cfg.checkpoint.initial_checkpoint is not None:
-            raise ValueError(
-                "set either warm_start or checkpoint.initial_checkpoint, not both "
-                f"(got initial_checkpoint={cfg.checkpoint.initial_checkpoint})"
-            )
-        return str(resolve_warm_start(WarmStartSection(**cfg.warm_start), self.dist))
+        return initial_checkpoint(cfg.warm_start, cfg.checkpoint.initial_checkpoint, self.dist)
 
-    def _build_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
-        """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random)."""
-        if checkpoint is None:
-            # Random init, identical on every rank, then sharded in place. torchtune's set_seed
-            # offsets the seed by the rank, so seed the build with the config's seed alone.
-            torch.manual_seed(self.cfg.seed)
-            with training.set_default_dtype(self.dtype), self.dist.device:
-                model = config.instantiate(cfg.model)
-            if cfg.enable_activation_checkpointing:
-                training.set_activation_checkpointing(
-                    model, auto_wrap_policy={TransformerSelfAttentionLayer}
-                )
-            if self.dist.is_distributed:
-                shard_decoder(model, cpu_offload=cfg.fsdp_cpu_offload)
-            return model
-        state_dict = load_model_weights(checkpoint)
-        with training.set_default_dtype(self.dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        if cfg.enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={TransformerSelfAttentionLayer}
-            )
-        if self.dist.is_distributed:
-            shard_decoder(model, cpu_offload=cfg.fsdp_cpu_offload)
-        with training.set_default_dtype(self.dtype), self.dist.device:
-            for module in model.modules():
-                if hasattr(module, "rope_init"):  # RoPE caches are not in the state dict
-                    module.rope_init()
-        training.load_from_full_model_state_dict(
-            model, state_dict, self.dist.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload
+    def _build_model(
+        self, cfg: DictConfig, checkpoint: Any, dtype: torch.dtype | None = None
+    ) -> torch.nn.Module:
+        """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random),
+        in ``dtype`` (default: the run's)."""
+        return build_decoder(
+            cfg.model,
+            checkpoint=checkpoint,
+            dtype=dtype or self.dtype,
+            dist_info=self.dist,
+            seed=cfg.seed,  # identical on every rank (and replica)
+            activation_checkpointing=cfg.enable_activation_checkpointing,
+            fsdp_cpu_offload=cfg.fsdp_cpu_offload,
         )
-        return model
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
         model = self._build_model(cfg, checkpoint)
@@ -302,11 +275,7 @@ class ComposerFullRecipe:
         ``_restore``."""
         if not self.channels.ema_teacher:
             return None
-        policy_dtype, self.dtype = self.dtype, torch.float32
-        try:
-            module = self._build_model(cfg, checkpoint)
-        finally:
-            self.dtype = policy_dtype
+        module = self._build_model(cfg, checkpoint, dtype=torch.float32)
         return EMATeacher(self.model, self.channels.sdpo.ema_rate, teacher=module)
 
     def _setup_reference(self, cfg: DictConfig, initial: str | None) -> torch.nn.Module:

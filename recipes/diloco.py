@@ -62,7 +62,6 @@ composer_tune/.
 """
 
 import contextlib
-import fcntl
 import math
 import os
 import sys
@@ -78,12 +77,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 from tqdm import tqdm
 
 from composer_tune import config
 from composer_tune.checkpointing.run_state import (
-    load_model_weights,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -105,15 +102,15 @@ from composer_tune.distributed import (
     gather_generator_states,
     peak_memory_metrics,
     setup_distributed,
-    shard_decoder,
     teardown_distributed,
 )
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
+from composer_tune.model_setup import build_decoder
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
-from composer_tune.warm_start import WarmStartSection, resolve_warm_start
+from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
 
@@ -338,56 +335,22 @@ class DiLoCoRecipe:
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
-        if cfg.warm_start is None:
-            return cfg.checkpoint.initial_checkpoint
-        if cfg.checkpoint.initial_checkpoint is not None:
-            raise ValueError(
-                "set either warm_start or checkpoint.initial_checkpoint, not both "
-                f"(got initial_checkpoint={cfg.checkpoint.initial_checkpoint})"
-            )
-        section = WarmStartSection(**cfg.warm_start)
-        # Replicas on one machine share the warm-start run: the first to take the lock trains
-        # it, the others block until it is written and then find it.
-        lock = (
-            _file_lock(Path(f"{section.output_dir}.lock"))
-            if self.dist.is_main
-            else contextlib.nullcontext()
-        )
-        with lock:
-            return str(resolve_warm_start(section, self.dist))
+        return initial_checkpoint(cfg.warm_start, cfg.checkpoint.initial_checkpoint, self.dist)
 
-    def _build_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
-        """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random)."""
-        if checkpoint is None:
-            # Random init, identical on every rank and replica, sharded in place. torchtune's
-            # set_seed offsets the seed by the rank, so seed the build with the config's seed.
-            torch.manual_seed(self.cfg.seed)
-            with training.set_default_dtype(self.dtype), self.dist.device:
-                model = config.instantiate(cfg.model)
-            if cfg.enable_activation_checkpointing:
-                training.set_activation_checkpointing(
-                    model, auto_wrap_policy={TransformerSelfAttentionLayer}
-                )
-            if self.dist.is_distributed:
-                shard_decoder(model, cpu_offload=cfg.fsdp_cpu_offload)
-            return model
-        state_dict = load_model_weights(checkpoint)
-        with training.set_default_dtype(self.dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        if cfg.enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={TransformerSelfAttentionLayer}
-            )
-        if self.dist.is_distributed:
-            shard_decoder(model, cpu_offload=cfg.fsdp_cpu_offload)
-        with training.set_default_dtype(self.dtype), self.dist.device:
-            for module in model.modules():
-                if hasattr(module, "rope_init"):  # RoPE caches are not in the state dict
-                    module.rope_init()
-        training.load_from_full_model_state_dict(
-            model, state_dict, self.dist.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload
+    def _build_model(
+        self, cfg: DictConfig, checkpoint: Any, dtype: torch.dtype | None = None
+    ) -> torch.nn.Module:
+        """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random),
+        in ``dtype`` (default: the run's)."""
+        return build_decoder(
+            cfg.model,
+            checkpoint=checkpoint,
+            dtype=dtype or self.dtype,
+            dist_info=self.dist,
+            seed=cfg.seed,  # identical on every rank (and replica)
+            activation_checkpointing=cfg.enable_activation_checkpointing,
+            fsdp_cpu_offload=cfg.fsdp_cpu_offload,
         )
-        return model
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
         model = self._build_model(cfg, checkpoint)
@@ -400,11 +363,7 @@ class DiLoCoRecipe:
         restores its average in ``_restore``."""
         if not self.channels.ema_teacher:
             return None
-        policy_dtype, self.dtype = self.dtype, torch.float32
-        try:
-            module = self._build_model(cfg, checkpoint)
-        finally:
-            self.dtype = policy_dtype
+        module = self._build_model(cfg, checkpoint, dtype=torch.float32)
         return EMATeacher(self.model, self.channels.sdpo.ema_rate, teacher=module)
 
     def _setup_reference(self, cfg: DictConfig, initial: str | None) -> torch.nn.Module:
@@ -786,18 +745,6 @@ class DiLoCoRecipe:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP2 parameter (the tensor itself when unsharded)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing), held for the duration."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @config.parse(schema=DiLoCoRecipeConfig)

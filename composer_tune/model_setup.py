@@ -1,0 +1,69 @@
+"""Building a recipe's decoder: random or from a checkpoint, activation checkpointing, FSDP2.
+
+Every RL recipe builds its policy, and where it needs them a frozen reference and an EMA
+teacher, the same way; :func:`build_decoder` is that one way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from composer_tune import config
+from composer_tune.checkpointing.run_state import load_model_weights
+from composer_tune.distributed import DistInfo, shard_decoder
+
+
+def build_decoder(
+    model_cfg: Any,
+    *,
+    checkpoint: str | Path | None,
+    dtype: torch.dtype,
+    dist_info: DistInfo,
+    seed: int | None,
+    activation_checkpointing: bool,
+    fsdp_cpu_offload: bool,
+) -> nn.Module:
+    """The decoder ``model_cfg`` describes, sharded with FSDP2 under torchrun.
+
+    With a ``checkpoint`` (a ``model/`` folder of HF weights) the model is built on the meta
+    device, sharded, and loaded shard by shard; RoPE caches, which are not in the state dict,
+    are rebuilt first. Without one it is randomly initialised on ``dist_info.device``, after
+    ``torch.manual_seed(seed)`` unless ``seed`` is None (torchtune's ``set_seed`` offsets the
+    seed by the rank, and every rank must build the same model before it is sharded).
+    """
+    if checkpoint is None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        with training.set_default_dtype(dtype), dist_info.device:
+            model = config.instantiate(model_cfg)
+        _wrap(model, dist_info, activation_checkpointing, fsdp_cpu_offload)
+        return model
+    state_dict = load_model_weights(checkpoint)
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = config.instantiate(model_cfg)
+    _wrap(model, dist_info, activation_checkpointing, fsdp_cpu_offload)
+    with training.set_default_dtype(dtype), dist_info.device:
+        for module in model.modules():
+            if hasattr(module, "rope_init"):
+                module.rope_init()
+    training.load_from_full_model_state_dict(
+        model, state_dict, dist_info.device, strict=True, cpu_offload=fsdp_cpu_offload
+    )
+    return model
+
+
+def _wrap(
+    model: nn.Module, dist_info: DistInfo, activation_checkpointing: bool, fsdp_cpu_offload: bool
+) -> None:
+    if activation_checkpointing:
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={TransformerSelfAttentionLayer}
+        )
+    if dist_info.is_distributed:
+        shard_decoder(model, cpu_offload=fsdp_cpu_offload)
