@@ -142,8 +142,13 @@ class ComposerChannels:
 
     def needs_old_logp(self, on_policy: bool) -> bool:
         """Whether rollouts need the sampling policy's log-probs: off-policy steps, KL in the
-        reward and SDPO's alignment read them; an on-policy step recomputes them for free."""
-        return not on_policy or self.kl_in_reward or self.sdpo.enabled
+        reward and SDPO's importance-ratio clipping read them; an on-policy step recomputes them
+        for free."""
+        return (
+            not on_policy
+            or self.kl_in_reward
+            or (self.sdpo.enabled and self.sdpo.loss.is_clip is not None)
+        )
 
 
 def _sdpo_config(cfg: DictConfig) -> SDPOChannelConfig:
