@@ -292,14 +292,15 @@ class SyntheticArithmetic(Dataset):
         question = self.prompt_template.format(a=problem.a, op=problem.symbol, b=problem.b)
         answer = str(problem.result)
         target = answer
-        # A separate stream, so the knobs never change which problem an index draws.
-        rng = random.Random(f"{self.seed}:{self.split}:{index}:demonstration")
-        if rng.random() < self.hint_rate:
-            wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
-            hint = rng.choice(self.hint_templates).format(answer=answer, wrong=wrong)
-            question = self.hinted_question_template.format(content=question, hint=hint)
-        elif problem.units_carry and rng.random() < self.slip_rate:
-            target = str(problem.slipped_result)
+        if self.hint_rate or self.slip_rate:
+            # A separate stream, so the knobs never change which problem an index draws.
+            rng = random.Random(f"{self.seed}:{self.split}:{index}:demonstration")
+            if rng.random() < self.hint_rate:
+                wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
+                hint = rng.choice(self.hint_templates).format(answer=answer, wrong=wrong)
+                question = self.hinted_question_template.format(content=question, hint=hint)
+            elif problem.units_carry and rng.random() < self.slip_rate:
+                target = str(problem.slipped_result)
         messages = [{"role": "user", "content": question}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
