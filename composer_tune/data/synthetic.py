@@ -21,8 +21,9 @@ Two knobs shape the *demonstrations* (the ``target`` an SFT run imitates), never
   self-teacher relies on the model reading a hint, which pretrained LLMs do and a model trained
   from scratch on bare questions does not. Hinted demonstrations are always correct.
 
-The shipped cpu_smoke configs use neither; recipes/configs/sdpo/cpu_smoke.yaml records what
-they did to the ~0.9M-parameter smoke model.
+recipes/configs/sft/cpu_smoke.yaml uses ``hint_rate`` (with the hint before the question) and
+records what each placement and rate did to the ~0.9M-parameter smoke model; no shipped config
+uses ``slip_rate``.
 """
 
 from __future__ import annotations
