@@ -92,12 +92,12 @@ def run_in_process(
     return instance, counter.calls
 
 
-def test_cpu_smoke_runs_all_channels(sft_warm_start: RecipeRun, tmp_path: Path) -> None:
+def test_cpu_smoke_runs_all_channels(sft_hints_warm_start: RecipeRun, tmp_path: Path) -> None:
     run = run_recipe(
         "composer_full",
         "cpu_smoke",
         tmp_path / "full",
-        f"warm_start.output_dir={sft_warm_start.output_dir}",
+        f"warm_start.output_dir={sft_hints_warm_start.output_dir}",
         "num_prompts_per_generation=4",
         "max_steps=2",
         "eval_dataset.num_samples=16",
