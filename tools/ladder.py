@@ -6,8 +6,10 @@
     python tools/ladder.py --warm-start outputs/sft_cpu_smoke --steps 4 --seeds 0 --eval-every 2 \
         --diloco-sync-every 2
 
-One A0 SFT run (``recipes/sft.py``, ``--sft-config``) is trained into ``<out>/warm_start`` (or
-``--warm-start`` names an existing one: an SFT output folder or a Hugging Face model folder).
+One A0 SFT run (``recipes/sft.py``, ``--sft-config``, by default ``cpu_smoke_hints``: the SFT
+smoke run that also learnt to read SDPO's hints, which A2, A4 and DiLoCo need) is trained into
+``<out>/warm_start`` (or ``--warm-start`` names an existing one: an SFT output folder or a
+Hugging Face model folder).
 Every arm then starts from it with the same ``max_steps`` (``--steps``), the same seeds, the
 warm start's held-out set and training-task distribution (the SFT config's ``eval_dataset``
 section and its ``dataset`` operations/digits, passed to every arm), and a held-out evaluation
@@ -662,7 +664,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="reuse this A0 warm start (SFT output folder or HF model folder) instead of training",
     )
-    parser.add_argument("--sft-config", default="cpu_smoke", help="config of the A0 SFT run")
+    parser.add_argument(
+        "--sft-config",
+        default="cpu_smoke_hints",
+        help="config of the A0 SFT run (the default's model can read SDPO's hints)",
+    )
     parser.add_argument(
         "--sft-override",
         action="append",
