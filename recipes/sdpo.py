@@ -3,7 +3,7 @@ replication), single process or FSDP2 under torchrun.
 
     tune run recipes/sdpo.py --config cpu_smoke
     tune run recipes/sdpo.py --config cpu_smoke sdpo.teacher=ema
-    tune run recipes/sdpo.py --config cpu_smoke sdpo.weight=0   # exactly A1 (recipes/grpo.py)
+    tune run recipes/sdpo.py --config cpu_smoke sdpo.weight=0   # A1's updates, from this warm start
     tune run --nproc_per_node 2 recipes/sdpo.py --config cpu_smoke
 
 A2 = A1 + ``sdpo.weight`` x SDPO loss. Each generation: sample ``group_size`` completions for
@@ -16,6 +16,11 @@ solution (``sdpo.context``) -- and a token-level divergence (``sdpo.loss``) pull
 next-token distributions toward that teacher's. Both losses come from one student forward per
 micro-batch (composer_tune/sdpo/channel.py). With ``sdpo.weight: 0`` nothing of channel 2 runs and
 the updates are A1's exactly.
+
+The self-teacher is only as good as the policy's reading of its hint: a pretrained LLM reads one,
+a model trained from scratch on bare questions does not. So the cpu_smoke run starts from
+``recipes/sft.py --config cpu_smoke_hints`` (hints in a quarter of its questions), not from A1's
+warm start; that config's header has the measurements.
 
 The recipe reads top to bottom: ``SDPORecipe.setup()`` builds each part in a ``_setup_*`` method,
 ``train()`` is the loop. Copy the file and edit it; shared building blocks live in composer_tune/.
