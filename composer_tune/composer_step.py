@@ -156,7 +156,10 @@ def _sdpo_config(cfg: DictConfig) -> SDPOChannelConfig:
     if cfg.sdpo is None:
         return SDPOChannelConfig()
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(SDPOChannelConfig), cfg.sdpo)
+        # Resolved against the whole config first: the section may interpolate other keys
+        # (e.g. context.max_teacher_tokens: ${model.max_seq_len}).
+        section = OmegaConf.to_container(cfg.sdpo, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(SDPOChannelConfig), section)
         sdpo_cfg = OmegaConf.to_object(merged)
     except Exception as error:  # OmegaConf's key/type errors and __post_init__'s checks
         raise ValueError(f"sdpo: {error}") from error

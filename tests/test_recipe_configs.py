@@ -1,10 +1,13 @@
 """Every shipped recipe config validates against its recipe's schema (typos in a YAML we ship
 would otherwise only surface on the hardware it targets)."""
 
+import importlib
 from pathlib import Path
 
 import pytest
+from omegaconf import DictConfig
 
+from composer_tune.composer_step import ComposerChannels
 from composer_tune.config import available_configs, load_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -28,15 +31,26 @@ def test_every_recipe_ships_the_three_configs() -> None:
         ), recipe
 
 
-@pytest.mark.parametrize(("recipe", "name"), CASES)
-def test_config_validates(recipe: str, name: str) -> None:
-    import importlib
-
+def _load(recipe: str, name: str) -> DictConfig:
     module = importlib.import_module(f"recipes.{recipe}")
     schema = getattr(module, SCHEMAS[recipe])
     # GPU configs leave the user's paths as required values (???).
     overrides = [] if name.startswith("cpu") else ["checkpoint.initial_checkpoint=/models/qwen3"]
-    if recipe in ("replay_dpo", "composer_full") and not name.startswith("cpu"):
+    if recipe in ("replay_dpo", "composer_full", "diloco") and not name.startswith("cpu"):
         overrides.append("dpo.pairs=/data/pairs.jsonl")
-    cfg = load_config(name, overrides, recipe_file=RECIPES / f"{recipe}.py", schema=schema)
-    assert cfg.output_dir
+    return load_config(name, overrides, recipe_file=RECIPES / f"{recipe}.py", schema=schema)
+
+
+@pytest.mark.parametrize(("recipe", "name"), CASES)
+def test_config_validates(recipe: str, name: str) -> None:
+    assert _load(recipe, name).output_dir
+
+
+@pytest.mark.parametrize(
+    ("recipe", "name"), [case for case in CASES if case[0] in ("composer_full", "diloco")]
+)
+def test_composer_channels_parse(recipe: str, name: str) -> None:
+    """The channel sections of the composer-loop configs parse as the recipes parse them
+    (interpolations into other sections included), with channel 2 on."""
+    channels = ComposerChannels.from_config(_load(recipe, name))
+    assert channels.sdpo.enabled
