@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 # Random weights, a reward that random completions earn about half the time, tiny batches.
 MECHANICS = (
     "warm_start=null",
+    "~reward.reveal_answer",  # a MathAnswerReward argument (channel 2's feedback hint)
     "reward._component_=composer_tune.rewards.FormatReward",
     "reward.pattern=^.*[a-m]",
     "num_prompts_per_generation=4",

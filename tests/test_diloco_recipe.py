@@ -58,6 +58,7 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # cpu_smoke's outer optimizer (the DiLoCo p
 INNER = (
     "sdpo.teacher=ema",
     "sdpo.ema_rate=0.5",
+    "~reward.reveal_answer",  # a MathAnswerReward argument (channel 2's feedback hint)
     "reward._component_=composer_tune.rewards.FormatReward",
     r"reward.pattern=\d*[13579]$",
     "num_prompts_per_generation=4",
