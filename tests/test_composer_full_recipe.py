@@ -26,7 +26,6 @@ pytestmark = pytest.mark.slow
 # Random weights, a reward that random completions earn about half the time, tiny batches.
 MECHANICS = (
     "warm_start=null",
-    "~reward.reveal_answer",  # a MathAnswerReward argument (channel 2's feedback hint)
     "reward._component_=composer_tune.rewards.FormatReward",
     "reward.pattern=^.*[a-m]",
     "num_prompts_per_generation=4",
@@ -38,6 +37,9 @@ MECHANICS = (
     "logging.progress_bar=false",
     "optimizer.lr=1e-3",
 )
+# composer_full's cpu_smoke reward also sets reveal_answer, a MathAnswerReward argument (channel
+# 2's feedback hint) that FormatReward does not take.
+FULL_MECHANICS = ("~reward.reveal_answer", *MECHANICS)
 CHANNEL_1_ONLY = ("sdpo.weight=0", "dpo.weight=0")
 CHANNEL_3_ONLY = ("loss.weight=0", "sdpo.weight=0")
 
@@ -137,7 +139,13 @@ def test_channel_one_alone_is_grpo(tmp_path: Path) -> None:
         ComposerFullConfig,
         "composer_full",
         tmp_path / "full",
-        [*common, *CHANNEL_1_ONLY, "loss.beta=0.1", "model.max_seq_len=128"],
+        [
+            *common,
+            "~reward.reveal_answer",
+            *CHANNEL_1_ONLY,
+            "loss.beta=0.1",
+            "model.max_seq_len=128",
+        ],
     )
     grpo_log, full_log = logged_metrics(tmp_path / "grpo"), logged_metrics(tmp_path / "full")
     assert sorted(grpo_log) == sorted(full_log) == [0, 1, 2, 3]
@@ -162,7 +170,7 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
         "composer_full",
         tmp_path / "off",
         [
-            *MECHANICS,
+            *FULL_MECHANICS,
             *CHANNEL_1_ONLY,
             "max_steps=1",
             "sdpo.teacher=ema",
@@ -182,7 +190,7 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
         "composer_full",
         tmp_path / "dpo",
         [
-            *(item for item in MECHANICS if not item.startswith("eval_dataset.")),
+            *(item for item in FULL_MECHANICS if not item.startswith("eval_dataset.")),
             *CHANNEL_3_ONLY,
             f"max_steps={steps}",
             "eval_dataset=null",
@@ -209,8 +217,8 @@ def test_fsdp_two_processes(tmp_path: Path) -> None:
     its whole loss trajectory must agree; with all channels on, ranks sample other completions
     than one process, so only step 1's DPO loss (taken before any update) is comparable."""
     runs = {
-        "dpo": [*MECHANICS, *CHANNEL_3_ONLY, "max_steps=3"],
-        "all": [*MECHANICS, "max_steps=2"],
+        "dpo": [*FULL_MECHANICS, *CHANNEL_3_ONLY, "max_steps=3"],
+        "all": [*FULL_MECHANICS, "max_steps=2"],
     }
     logs = {}
     for name, overrides in runs.items():
