@@ -155,14 +155,9 @@ def _sdpo_config(cfg: DictConfig) -> SDPOChannelConfig:
     """Channel 2's settings, checked against the SDPOChannelConfig schema."""
     if cfg.sdpo is None:
         return SDPOChannelConfig()
-    try:
-        # Resolved against the whole config first: the section may interpolate other keys
-        # (e.g. context.max_teacher_tokens: ${model.max_seq_len}).
-        section = OmegaConf.to_container(cfg.sdpo, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(SDPOChannelConfig), section)
-        sdpo_cfg = OmegaConf.to_object(merged)
-    except Exception as error:  # OmegaConf's key/type errors and __post_init__'s checks
-        raise ValueError(f"sdpo: {error}") from error
+    # Resolved against the whole config: the section may interpolate other keys
+    # (e.g. context.max_teacher_tokens: ${model.max_seq_len}).
+    sdpo_cfg = SDPOChannelConfig.from_mapping(OmegaConf.to_container(cfg.sdpo, resolve=True))
     if sdpo_cfg.enabled and sdpo_cfg.context.enable_thinking != cfg.enable_thinking:
         raise ValueError(
             f"sdpo.context.enable_thinking ({sdpo_cfg.context.enable_thinking}) must match "

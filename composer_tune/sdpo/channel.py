@@ -94,12 +94,12 @@ class SDPOChannelConfig:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> SDPOChannelConfig:
         """The config from a plain (resolved) mapping, e.g. a recipe's parsed ``sdpo`` section;
-        unknown keys and bad values raise, naming the key."""
+        unknown keys and bad values raise ValueError, naming the section and the key."""
         schema = OmegaConf.structured(cls)
         try:
             return OmegaConf.to_object(OmegaConf.merge(schema, section))
-        except OmegaConfBaseException as err:
-            raise ValueError(f"sdpo section: {str(err).splitlines()[0]}") from None
+        except (OmegaConfBaseException, ValueError) as err:  # schema errors, __post_init__ checks
+            raise ValueError(f"sdpo: {str(err).splitlines()[0]}") from None
 
     @property
     def enabled(self) -> bool:
