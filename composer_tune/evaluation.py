@@ -27,6 +27,22 @@ class EvalResult:
     # A few (prompt, completion, gold) triples from rank 0, for logs and eyeballing.
     examples: list[dict[str, str]] = field(default_factory=list)
 
+    def metrics(self) -> dict[str, float]:
+        """The metrics every recipe logs for a held-out evaluation (tools/ladder.py and the tests
+        read these names)."""
+        return {
+            "eval/accuracy": self.accuracy,
+            "eval/reward_mean": self.reward_mean,
+            "eval/completion_tokens": self.mean_completion_tokens,
+        }
+
+    def summary(self) -> str:
+        """The recipes' console line for it, after their ``[step N]`` prefix."""
+        return (
+            f"held-out accuracy {self.accuracy:.3f} over {self.num_samples} problems; "
+            f"e.g. {self.examples[:2]}"
+        )
+
 
 def encode_prompts(
     tokenizer: Any, samples: Sequence[Mapping[str, Any]], *, enable_thinking: bool

@@ -677,18 +677,10 @@ class DiLoCoRecipe:
             max_new_tokens=self.cfg.eval_max_new_tokens,
             enable_thinking=self.cfg.enable_thinking,
         )
-        self._log(
-            {
-                "eval/accuracy": result.accuracy,
-                "eval/reward_mean": result.reward_mean,
-                "eval/completion_tokens": result.mean_completion_tokens,
-            }
-        )
+        self._log(result.metrics())
         if self.dist.is_main:
             print(
-                f"[step {self.step}, outer step {self.diloco.outer_step}] held-out accuracy "
-                f"{result.accuracy:.3f} over {result.num_samples} problems; "
-                f"e.g. {result.examples[:2]}",
+                f"[step {self.step}, outer step {self.diloco.outer_step}] {result.summary()}",
                 flush=True,
             )
         return result

@@ -359,19 +359,9 @@ class SFTRecipe:
             max_new_tokens=self.cfg.eval_max_new_tokens,
             enable_thinking=self.cfg.enable_thinking,
         )
-        self._log(
-            {
-                "eval/accuracy": result.accuracy,
-                "eval/reward_mean": result.reward_mean,
-                "eval/completion_tokens": result.mean_completion_tokens,
-            }
-        )
+        self._log(result.metrics())
         if self.dist.is_main:
-            print(
-                f"[step {self.step}] held-out accuracy {result.accuracy:.3f} "
-                f"over {result.num_samples} problems; e.g. {result.examples[:2]}",
-                flush=True,
-            )
+            print(f"[step {self.step}] {result.summary()}", flush=True)
         return result
 
     def save_checkpoint(self) -> None:
