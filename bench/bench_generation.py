@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
-from composer_tune.checkpointing import save_hf_qwen3
+from composer_tune.checkpointing import save_hf_checkpoint
 from composer_tune.models import qwen3_tiny
 from composer_tune.rollout import generate
 
@@ -98,7 +98,7 @@ def main() -> None:
     # A wide init keeps greedy decoding away from near-ties, so the cross-check is meaningful.
     model = qwen3_tiny(initializer_range=0.5, **PRESETS[args.preset]).eval()
     with tempfile.TemporaryDirectory() as checkpoint_dir:
-        save_hf_qwen3(model.state_dict(), model.config, checkpoint_dir)
+        save_hf_checkpoint(model.state_dict(), model.config, checkpoint_dir)
         hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
     model.to(args.device)
     hf_model.to(args.device)

@@ -5,7 +5,7 @@
 
 A step is the whole of one generation batch with one optimiser step on it: sample G completions
 per prompt, score them, log-prob forward, loss, backward, clip, AdamW step. Both frameworks get
-the same random Qwen3 (saved with ``save_hf_qwen3``; TRL loads it with AutoModelForCausalLM), the
+the same random Qwen3 (saved with ``save_hf_checkpoint``; TRL loads it with AutoModelForCausalLM), the
 same prompts in the same order (synthetic arithmetic, chat-templated by each side's own template
 code; the bench checks the token ids agree), the same reward (``MathAnswerReward``), group size,
 completion cap, temperature, objective (grpo, beta=0, epsilon 0.2, group reward scaling), AdamW
@@ -41,7 +41,7 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/bench_grpo_vs_trl.py` from a
 
 import torch  # noqa: E402
 
-from composer_tune.checkpointing import save_hf_qwen3  # noqa: E402
+from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
 from composer_tune.data.tokenizer import Qwen3Tokenizer  # noqa: E402
 from composer_tune.models import qwen3_tiny  # noqa: E402
@@ -127,7 +127,7 @@ def save_model(args: argparse.Namespace, directory: Path) -> None:
     torch.manual_seed(args.seed)
     model = qwen3_tiny(**MODEL_SIZES[args.model_size])
     tokenizer = Qwen3Tokenizer.from_dir(TOKENIZER_DIR)
-    save_hf_qwen3(
+    save_hf_checkpoint(
         model.state_dict(),
         model.config,
         directory,

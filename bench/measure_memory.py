@@ -49,7 +49,7 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/measure_memory.py` from anyw
     sys.path.insert(0, str(REPO_ROOT))
 
 from composer_tune import memory  # noqa: E402
-from composer_tune.models import Qwen3Args  # noqa: E402
+from composer_tune.models import DecoderArgs  # noqa: E402
 from composer_tune.rollout.generation import DEFAULT_PREFILL_CHUNK  # noqa: E402
 
 MIB = 2**20
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def model_args(args: argparse.Namespace) -> Qwen3Args:
+def model_args(args: argparse.Namespace) -> DecoderArgs:
     """The shape under test: the tiny one from flags or a preset; ``max_seq_len`` covers the
     training sequence and the rollout (it only sizes the RoPE table)."""
     from composer_tune import models
@@ -110,7 +110,7 @@ def model_args(args: argparse.Namespace) -> Qwen3Args:
     max_seq_len = max(args.seq_len, args.prompt_len + args.completion_len)
     if args.model == "tiny":
         shape = {key: getattr(args, f"tiny_{key}") for key in TINY_SHAPE}
-        return Qwen3Args(**shape, max_seq_len=max_seq_len, tie_word_embeddings=False)
+        return DecoderArgs(**shape, max_seq_len=max_seq_len, tie_word_embeddings=False)
     builder = getattr(models, args.model, None)
     if builder is None or not args.model.startswith("qwen3_"):
         raise SystemExit(f"--model {args.model}: not a composer_tune.models Qwen3 preset")
@@ -295,7 +295,7 @@ class TrainingStep:
 
 
 def prepare_step(
-    shape: Qwen3Args,
+    shape: DecoderArgs,
     *,
     dtype: torch.dtype,
     activation_checkpointing: bool,
@@ -313,11 +313,11 @@ def prepare_step(
 
     from composer_tune.distributed import shard_decoder
     from composer_tune.losses import logprob_head
-    from composer_tune.models import qwen3_from_args
+    from composer_tune.models import decoder_from_args
 
     torch.manual_seed(0)
     with training.set_default_dtype(dtype), device:
-        model = qwen3_from_args(shape)
+        model = decoder_from_args(shape)
     if activation_checkpointing:
         training.set_activation_checkpointing(
             model, auto_wrap_policy={TransformerSelfAttentionLayer}

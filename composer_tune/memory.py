@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from composer_tune.models import Qwen3Args
+from composer_tune.models import DecoderArgs
 
 GIB = 2**30
 
@@ -67,25 +67,21 @@ def dtype_bytes(name: str) -> int:
 # ----------------------------------------------------------------------------- parameters
 
 
-def layer_param_shapes(args: Qwen3Args) -> list[tuple[int, ...]]:
-    """Shapes of one Qwen3 decoder layer's parameters (torchtune module order)."""
+def layer_param_shapes(args: DecoderArgs) -> list[tuple[int, ...]]:
+    """Shapes of one decoder layer's parameters (torchtune module order)."""
     d, hd, f = args.embed_dim, args.head_dim, args.intermediate_dim
-    return [
-        (args.num_heads * hd, d),  # q_proj
-        (args.num_kv_heads * hd, d),  # k_proj
-        (args.num_kv_heads * hd, d),  # v_proj
-        (d, args.num_heads * hd),  # output_proj
-        (hd,),  # q_norm
-        (hd,),  # k_norm
-        (f, d),  # w1 (gate)
-        (d, f),  # w2 (down)
-        (f, d),  # w3 (up)
-        (d,),  # sa_norm
-        (d,),  # mlp_norm
-    ]
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    shapes = [(q, d), (kv, d), (kv, d)]  # q/k/v_proj
+    if args.qkv_bias:
+        shapes += [(q,), (kv,), (kv,)]
+    shapes.append((d, q))  # output_proj
+    if args.qk_norm:
+        shapes += [(hd,), (hd,)]
+    shapes += [(f, d), (d, f), (f, d), (d,), (d,)]  # w1 (gate), w2 (down), w3 (up), norms
+    return shapes
 
 
-def root_param_shapes(args: Qwen3Args) -> list[tuple[int, ...]]:
+def root_param_shapes(args: DecoderArgs) -> list[tuple[int, ...]]:
     """Shapes of the parameters outside the layers: embeddings, final norm, untied lm head."""
     shapes = [(args.vocab_size, args.embed_dim), (args.embed_dim,)]
     if not args.tie_word_embeddings:
@@ -102,20 +98,20 @@ def shard_numel(shape: tuple[int, ...], world_size: int) -> int:
     return math.ceil(shape[0] / world_size) * _numel(shape[1:])
 
 
-def count_params(args: Qwen3Args) -> int:
+def count_params(args: DecoderArgs) -> int:
     """Total parameter count (tied embeddings counted once)."""
     layer = sum(_numel(s) for s in layer_param_shapes(args))
     return args.num_layers * layer + sum(_numel(s) for s in root_param_shapes(args))
 
 
-def count_matmul_params(args: Qwen3Args) -> int:
+def count_matmul_params(args: DecoderArgs) -> int:
     """Parameters that take part in a matmul per token: all but the input embedding table
     (a lookup), with a tied table counted once as the lm head. The ``N`` of ``6 * N * tokens``."""
     embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.embed_dim
     return count_params(args) - embedding
 
 
-def sharded_param_numel(args: Qwen3Args, world_size: int) -> int:
+def sharded_param_numel(args: DecoderArgs, world_size: int) -> int:
     """Elements of all parameters one rank holds under FSDP2 (padding included)."""
     layer = sum(shard_numel(s, world_size) for s in layer_param_shapes(args))
     root = sum(shard_numel(s, world_size) for s in root_param_shapes(args))
@@ -125,7 +121,7 @@ def sharded_param_numel(args: Qwen3Args, world_size: int) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def layer_saved_bytes_per_token(args: Qwen3Args, compute_bytes: int) -> int:
+def layer_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
     """Bytes autograd keeps per token for one Qwen3 layer's backward (no checkpointing).
 
     - each of the two RMSNorms (torchtune computes in fp32) saves its fp32 input, fp32
@@ -146,7 +142,7 @@ def layer_saved_bytes_per_token(args: Qwen3Args, compute_bytes: int) -> int:
     return norms + qk_norms + attention + mlp
 
 
-def layer_backward_transient_per_token(args: Qwen3Args, compute_bytes: int) -> int:
+def layer_backward_transient_per_token(args: DecoderArgs, compute_bytes: int) -> int:
     """Extra bytes per token while one layer runs backward, beyond its saved tensors.
 
     The residual-stream gradient in and out (``2 D e``) plus half the attention width: the
@@ -156,7 +152,7 @@ def layer_backward_transient_per_token(args: Qwen3Args, compute_bytes: int) -> i
     return 2 * args.embed_dim * compute_bytes + args.num_heads * args.head_dim * compute_bytes // 2
 
 
-def head_saved_bytes_per_token(args: Qwen3Args, compute_bytes: int) -> int:
+def head_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
     """Saved tensors outside the layers per token: token ids kept by the embedding's backward
     (int64), the final RMSNorm (``8 D + 4``), its output that every log-prob chunk saves
     (``D e``) and the fp32 log-probs."""
@@ -268,7 +264,7 @@ class Component:
 class MemoryEstimate:
     """Components plus the per-phase device totals; ``peak_bytes`` is the largest of those."""
 
-    args: Qwen3Args
+    args: DecoderArgs
     plan: MemoryPlan
     components: list[Component] = field(default_factory=list)
 
@@ -325,7 +321,7 @@ ROLLOUT_LOGITS = "rollout logits + sampling"
 ROLLOUT_PREFILL = "rollout prefill activations"
 
 
-def estimate_memory(args: Qwen3Args, plan: MemoryPlan) -> MemoryEstimate:
+def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
     """Per-rank memory components of training ``args``'s model as ``plan`` describes."""
     w = plan.world_size
     sharded = w > 1
@@ -436,7 +432,7 @@ def estimate_memory(args: Qwen3Args, plan: MemoryPlan) -> MemoryEstimate:
     return est
 
 
-def _add_rollout(est: MemoryEstimate, args: Qwen3Args, plan: MemoryPlan, e: int) -> None:
+def _add_rollout(est: MemoryEstimate, args: DecoderArgs, plan: MemoryPlan, e: int) -> None:
     """KV-cache sampling: caches for every layer, one layer's GQA-expanded keys/values and
     attention mask, the last position's logits and one prefill chunk's layer activations."""
     b = plan.rollout_batch_size
@@ -553,7 +549,7 @@ class ConfigPlan:
     """A recipe config read as a memory plan: the model shape, the plan and where each plan
     value came from (a config key, a command-line flag or an assumed default)."""
 
-    args: Qwen3Args
+    args: DecoderArgs
     plan: MemoryPlan
     sources: dict[str, str]
 
@@ -616,7 +612,7 @@ def _optimizer(cfg: DictConfig, device: str, offload: bool) -> tuple[int, str, s
     return states, impl, source
 
 
-def model_args_from_config(cfg: DictConfig) -> Qwen3Args:
+def model_args_from_config(cfg: DictConfig) -> DecoderArgs:
     """Builds the config's ``model`` node on the meta device (no memory) and returns its shape."""
     import torch
     from torchtune.config import instantiate
@@ -626,10 +622,10 @@ def model_args_from_config(cfg: DictConfig) -> Qwen3Args:
     with torch.device("meta"):
         model = instantiate(cfg.model)
     args = getattr(model, "config", None)
-    if not isinstance(args, Qwen3Args):
+    if not isinstance(args, DecoderArgs):
         raise ValueError(
             f"config 'model' node ({cfg.model.get('_component_')}) did not build a composer_tune "
-            "Qwen3 decoder (no Qwen3Args in model.config)"
+            "composer_tune decoder (no DecoderArgs in model.config)"
         )
     return args
 

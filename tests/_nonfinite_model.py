@@ -10,15 +10,15 @@ recipe saves ordinary checkpoints.
 from collections.abc import Sequence
 from typing import Any
 
-from composer_tune.models import Qwen3Decoder, qwen3_tiny
+from composer_tune.models import CausalDecoder, qwen3_tiny
 
 
-def qwen3_tiny_nan_at(nan_steps: Sequence[int], **model_kwargs: Any) -> Qwen3Decoder:
+def qwen3_tiny_nan_at(nan_steps: Sequence[int], **model_kwargs: Any) -> CausalDecoder:
     model = qwen3_tiny(**model_kwargs)
     poisoned = {int(step) for step in nan_steps}
     calls = 0
 
-    def poison(module: Qwen3Decoder, _args: Any, output: Any) -> Any:
+    def poison(module: CausalDecoder, _args: Any, output: Any) -> Any:
         nonlocal calls
         if not module.training:
             return None

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from composer_tune import config
-from composer_tune.checkpointing import save_hf_qwen3
+from composer_tune.checkpointing import save_hf_checkpoint
 from recipes import sft
 from tests.recipe_runs import REPO_ROOT, run_tune
 
@@ -62,7 +62,7 @@ def _save_cpu_smoke_model(directory: Path, **changes: int) -> Path:
     """An HF checkpoint of the cpu_smoke architecture (with ``changes``), in small shards."""
     model_cfg = OmegaConf.load(CPU_SMOKE).model
     model = config.instantiate(OmegaConf.merge(model_cfg, changes))
-    save_hf_qwen3(model.state_dict(), model.config, directory, max_shard_size_bytes=500_000)
+    save_hf_checkpoint(model.state_dict(), model.config, directory, max_shard_size_bytes=500_000)
     return directory
 
 

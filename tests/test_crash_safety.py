@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_tune.checkpointing import load_hf_qwen3
+from composer_tune.checkpointing import load_hf_checkpoint
 from composer_tune.checkpointing.run_state import (
     PAUSE_IN_SAVE_ENV,
     TRAINING_STATE,
@@ -57,7 +57,7 @@ def _tiny_model(seed: int) -> torch.nn.Module:
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    _, state_dict = load_hf_qwen3(checkpoint / "model")
+    _, state_dict = load_hf_checkpoint(checkpoint / "model")
     return state_dict
 
 

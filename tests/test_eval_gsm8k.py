@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from composer_tune.checkpointing import save_hf_qwen3
+from composer_tune.checkpointing import save_hf_checkpoint
 from composer_tune.models import qwen3_tiny
 from composer_tune.rewards.answer import extract_answer, final_response
 
@@ -56,7 +56,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt")
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    save_hf_qwen3(
+    save_hf_checkpoint(
         model.state_dict(),
         model.config,
         directory,

@@ -434,8 +434,8 @@ def ours_and_hf(tmp_path_factory: pytest.TempPathFactory):
 
     torch.manual_seed(0)
     ours = models.qwen3_tiny(vocab_size=VOCAB, initializer_range=0.5).eval()
-    path = tmp_path_factory.mktemp("hf_qwen3")
-    checkpointing.save_hf_qwen3(ours.state_dict(), ours.config, path)
+    path = tmp_path_factory.mktemp("hf_checkpoint")
+    checkpointing.save_hf_checkpoint(ours.state_dict(), ours.config, path)
     return ours, AutoModelForCausalLM.from_pretrained(path).eval()
 
 

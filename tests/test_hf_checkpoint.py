@@ -19,14 +19,14 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from composer_tune.checkpointing import (
     CheckpointError,
-    hf_to_qwen3_state_dict,
-    load_hf_qwen3,
-    load_qwen3_from_hf,
-    qwen3_from_hf_config,
-    save_hf_qwen3,
+    decoder_from_hf_config,
+    hf_to_decoder_state_dict,
+    load_decoder_from_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
 )
-from composer_tune.checkpointing import hf_qwen3 as hf_io
-from composer_tune.models import Qwen3Attention, Qwen3Decoder, qwen3_components, qwen3_tiny
+from composer_tune.checkpointing import hf_checkpoint as hf_io
+from composer_tune.models import CausalDecoder, GroupedQueryAttention, decoder, qwen3_tiny
 
 VOCAB = 300
 TOL = 1e-4
@@ -67,7 +67,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
 
 
-def _max_logit_diff(ours: Qwen3Decoder, hf: Qwen3ForCausalLM) -> float:
+def _max_logit_diff(ours: CausalDecoder, hf: Qwen3ForCausalLM) -> float:
     tokens = _tokens()
     with torch.no_grad():
         return (ours.eval()(tokens) - hf(tokens).logits).abs().max().item()
@@ -90,7 +90,7 @@ def test_hf_single_file_to_ours(tied: bool, tmp_path: Path) -> None:
     hf = _hf_model(tied)
     hf.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
-    ours = load_qwen3_from_hf(tmp_path)
+    ours = load_decoder_from_hf(tmp_path)
     assert ours.config.tie_word_embeddings == tied
     assert ours.config.rope_base == 5000.0 and ours.config.norm_eps == 1e-5
     assert _max_logit_diff(ours, hf) <= TOL
@@ -98,8 +98,8 @@ def test_hf_single_file_to_ours(tied: bool, tmp_path: Path) -> None:
 
 def test_hf_sharded_to_ours(hf_dir: tuple[Qwen3ForCausalLM, Path]) -> None:
     hf, path = hf_dir
-    args, state_dict = load_hf_qwen3(path)
-    model = qwen3_from_hf_config(path)
+    args, state_dict = load_hf_checkpoint(path)
+    model = decoder_from_hf_config(path)
     assert model.config == args
     model.load_state_dict(state_dict, strict=True)
     assert _max_logit_diff(model, hf) <= TOL
@@ -111,7 +111,7 @@ def test_ours_to_hf(tied: bool, shard_bytes: int, tmp_path: Path) -> None:
     torch.manual_seed(3)
     ours = qwen3_tiny(vocab_size=VOCAB, tie_word_embeddings=tied, initializer_range=0.15)
     _perturb_norms(ours)
-    written = save_hf_qwen3(
+    written = save_hf_checkpoint(
         ours.state_dict(), ours.config, tmp_path, max_shard_size_bytes=shard_bytes
     )
     shards = sorted(tmp_path.glob("*.safetensors"))
@@ -136,16 +136,16 @@ def test_save_casts_dtype_and_keeps_source_files(tmp_path: Path) -> None:
     hf.save_pretrained(source)
     (source / "tokenizer.json").write_text('{"dummy": true}')
     (source / "pytorch_model.bin").write_bytes(b"old weights, must not be copied")
-    args, state_dict = load_hf_qwen3(source)
+    args, state_dict = load_hf_checkpoint(source)
     out = tmp_path / "out"
     source_config = json.loads((source / "config.json").read_text())
-    save_hf_qwen3(state_dict, source_config, out, dtype=torch.bfloat16, copy_files_from=source)
+    save_hf_checkpoint(state_dict, source_config, out, dtype=torch.bfloat16, copy_files_from=source)
     assert (out / "tokenizer.json").read_text() == '{"dummy": true}'
     assert not (out / "pytorch_model.bin").exists()
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["bos_token_id"] == 1
-    reloaded_args, reloaded = load_hf_qwen3(out)
+    reloaded_args, reloaded = load_hf_checkpoint(out)
     assert reloaded_args == args
     for key, tensor in state_dict.items():
         assert reloaded[key].dtype == torch.bfloat16
@@ -157,7 +157,7 @@ def test_save_casts_dtype_and_keeps_source_files(tmp_path: Path) -> None:
 
 def _norm_after_rope(monkeypatch: pytest.MonkeyPatch) -> None:
     # torchtune's own MultiHeadAttention.forward applies q_norm/k_norm after RoPE.
-    monkeypatch.setattr(Qwen3Attention, "forward", MultiHeadAttention.forward)
+    monkeypatch.setattr(GroupedQueryAttention, "forward", MultiHeadAttention.forward)
 
 
 def _swap_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +172,7 @@ def _swap_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
 def _interleaved_rope(monkeypatch: pytest.MonkeyPatch) -> None:
     # Llama-style RoPE (rotates adjacent pairs) instead of HF/Qwen's rotate-half.
     monkeypatch.setattr(
-        qwen3_components,
+        decoder,
         "Qwen2RotaryPositionalEmbeddings",
         lambda dim, max_seq_len, base: RotaryPositionalEmbeddings(dim, max_seq_len, base),
     )
@@ -184,7 +184,7 @@ def test_parity_detects_wrong_model(
 ) -> None:
     hf, path = hf_dir
     mutation(monkeypatch)
-    assert _max_logit_diff(load_qwen3_from_hf(path), hf) > 1000 * TOL
+    assert _max_logit_diff(load_decoder_from_hf(path), hf) > 1000 * TOL
 
 
 # ------------------------------------------------------------------ clear errors
@@ -192,9 +192,9 @@ def test_parity_detects_wrong_model(
 
 def test_missing_directory_and_config(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_hf_qwen3(tmp_path / "nope")
+        load_hf_checkpoint(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="config.json"):
-        load_hf_qwen3(tmp_path)
+        load_hf_checkpoint(tmp_path)
 
 
 def test_missing_shard_is_named(hf_dir: tuple[Qwen3ForCausalLM, Path], tmp_path: Path) -> None:
@@ -202,13 +202,13 @@ def test_missing_shard_is_named(hf_dir: tuple[Qwen3ForCausalLM, Path], tmp_path:
     victim = sorted(path.glob("model-*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name):
-        load_hf_qwen3(path)
+        load_hf_checkpoint(path)
 
 
 def test_missing_weights_file(tmp_path: Path) -> None:
     _hf_model(tied=True).config.save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        load_hf_qwen3(tmp_path)
+        load_hf_checkpoint(tmp_path)
 
 
 def _resave_single(path: Path, edit) -> None:
@@ -240,13 +240,13 @@ def test_bad_weights_are_named(edit, match: str, tmp_path: Path) -> None:
     _hf_model(tied=True).save_pretrained(tmp_path)
     _resave_single(tmp_path, edit)
     with pytest.raises(CheckpointError, match=match):
-        load_hf_qwen3(tmp_path)
+        load_hf_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"model_type": "llama"}, "model_type"),
+        ({"model_type": "gpt_neox"}, r"config\.json: model_type 'gpt_neox' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_size": None}, "hidden_size"),
@@ -260,31 +260,31 @@ def test_unsupported_config_is_named(change: dict, match: str, tmp_path: Path) -
         del config["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=match):
-        load_hf_qwen3(tmp_path)
+        load_hf_checkpoint(tmp_path)
 
 
 def test_save_refuses_bad_input(tmp_path: Path) -> None:
     model = qwen3_tiny(vocab_size=VOCAB)
     state_dict = model.state_dict()
     with pytest.raises(CheckpointError, match="layers.0.mlp.w1.weight"):
-        save_hf_qwen3(
+        save_hf_checkpoint(
             {k: v for k, v in state_dict.items() if k != "layers.0.mlp.w1.weight"},
             model.config,
             tmp_path / "a",
         )
     mixed = {**state_dict, "norm.scale": state_dict["norm.scale"].half()}
     with pytest.raises(CheckpointError, match="one dtype"):
-        save_hf_qwen3(mixed, model.config, tmp_path / "b")
-    save_hf_qwen3(state_dict, model.config, tmp_path / "c")
+        save_hf_checkpoint(mixed, model.config, tmp_path / "b")
+    save_hf_checkpoint(state_dict, model.config, tmp_path / "c")
     with pytest.raises(CheckpointError, match="already holds weights"):
-        save_hf_qwen3(state_dict, model.config, tmp_path / "c")
+        save_hf_checkpoint(state_dict, model.config, tmp_path / "c")
 
 
 def test_hf_key_names_round_trip() -> None:
     """Every HF name maps to a distinct model name and back (no two HF keys collide)."""
     hf = _hf_model(tied=False)
-    args = qwen3_from_hf_config(hf.config.to_dict()).config
-    ours = hf_to_qwen3_state_dict(hf.state_dict(), args)
+    args = decoder_from_hf_config(hf.config.to_dict()).config
+    ours = hf_to_decoder_state_dict(hf.state_dict(), args)
     assert len(ours) == len(hf.state_dict())
-    back = hf_io.qwen3_to_hf_state_dict(ours, args)
+    back = hf_io.decoder_to_hf_state_dict(ours, args)
     assert back.keys() == hf.state_dict().keys()

@@ -18,13 +18,13 @@ import torch
 import yaml
 
 from composer_tune import memory
-from composer_tune.models import Qwen3Args, qwen3_8b, qwen3_32b, qwen3_from_args
+from composer_tune.models import DecoderArgs, decoder_from_args, qwen3_8b, qwen3_32b
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
 # A small GQA shape (H != K, head_dim != D / H) that every formula is tried on.
-SMALL = Qwen3Args(
+SMALL = DecoderArgs(
     vocab_size=1000,
     num_layers=3,
     num_heads=8,
@@ -52,9 +52,9 @@ def _load_bench():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_param_shapes_and_count_match_the_model(tied: bool) -> None:
-    args = Qwen3Args(**{**SMALL.__dict__, "tie_word_embeddings": tied})
+    args = DecoderArgs(**{**SMALL.__dict__, "tie_word_embeddings": tied})
     with torch.device("meta"):
-        model = qwen3_from_args(args)
+        model = decoder_from_args(args)
     layer_shapes = sorted(tuple(p.shape) for p in model.layers[0].parameters())
     assert sorted(memory.layer_param_shapes(args)) == layer_shapes
     assert memory.count_params(args) == sum(p.numel() for p in model.parameters())
@@ -119,10 +119,10 @@ def _saved_bytes(layer: torch.nn.Module, batch: int, seq: int, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [2, 8])  # GQA (keys/values expanded) and plain MHA
 def test_layer_saved_bytes_match_autograd(dtype: torch.dtype, kv_heads: int) -> None:
-    args = Qwen3Args(**{**SMALL.__dict__, "num_kv_heads": kv_heads})
+    args = DecoderArgs(**{**SMALL.__dict__, "num_kv_heads": kv_heads})
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = qwen3_from_args(args).to(dtype)
+        model = decoder_from_args(args).to(dtype)
     seq = 40
     # The difference of two batch sizes drops per-sequence tensors (RoPE cos/sin tables).
     per_token = (
@@ -229,7 +229,7 @@ def test_estimate_within_tolerance_of_measured_peak(
     one_thread: None, activation_checkpointing: bool
 ) -> None:
     bench = _load_bench()
-    shape = Qwen3Args(
+    shape = DecoderArgs(
         vocab_size=4096,
         num_layers=2,
         num_heads=4,
@@ -357,7 +357,7 @@ def test_cli_prints_the_table_for_a_yaml_fixture(
         prompt_len=48,
         completion_len=16,
     )
-    shape = Qwen3Args(
+    shape = DecoderArgs(
         vocab_size=994,
         num_layers=4,
         num_heads=4,

@@ -16,8 +16,8 @@ from torchtune.modules.common_utils import disable_kv_cache
 from torchtune.training import set_activation_checkpointing
 
 from composer_tune.models import (
-    Qwen3Args,
-    Qwen3Decoder,
+    CausalDecoder,
+    DecoderArgs,
     qwen3_0_6b,
     qwen3_1_7b,
     qwen3_4b,
@@ -59,7 +59,7 @@ def test_published_sizes_match_hf_configs(builder) -> None:
     assert n_params == _hf_param_count(**hf)
     if builder in APPROX_TOTALS:
         assert n_params == pytest.approx(APPROX_TOTALS[builder], rel=2e-3)
-    assert model.config == Qwen3Args(
+    assert model.config == DecoderArgs(
         vocab_size=151936,
         num_layers=hf["layers"],
         num_heads=hf["heads"],
@@ -80,7 +80,7 @@ def test_builder_from_yaml() -> None:
         {"_component_": "composer_tune.models.qwen3_tiny", "vocab_size": 100, "num_layers": 3}
     )
     model = tt_config.instantiate(cfg)
-    assert isinstance(model, Qwen3Decoder)
+    assert isinstance(model, CausalDecoder)
     assert len(model.layers) == 3 and model.tok_embeddings.num_embeddings == 100
 
 
@@ -91,7 +91,7 @@ def test_invalid_args_name_the_field() -> None:
         qwen3_tiny(head_dim=0)
 
 
-def _tiny(**kwargs) -> Qwen3Decoder:
+def _tiny(**kwargs) -> CausalDecoder:
     torch.manual_seed(0)
     model = qwen3_tiny(vocab_size=128, max_seq_len=64, initializer_range=0.2, **kwargs)
     return model.eval()

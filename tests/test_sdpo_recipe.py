@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from composer_tune import config
-from composer_tune.checkpointing import load_qwen3_from_hf
+from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
 from composer_tune.data.tokenizer import Qwen3Tokenizer
 from composer_tune.evaluation import encode_prompts
@@ -168,7 +168,7 @@ def warm_sides(
         schema=SDPOConfig,
     )
     sdpo_cfg = SDPOChannelConfig.from_mapping(OmegaConf.to_container(cfg.sdpo, resolve=True))
-    model = load_qwen3_from_hf(latest_checkpoint(sft_hints_warm_start.output_dir) / "model")
+    model = load_decoder_from_hf(latest_checkpoint(sft_hints_warm_start.output_dir) / "model")
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.eval_dataset)
     samples = [dataset[index] for index in range(64)]

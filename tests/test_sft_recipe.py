@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_tune.checkpointing import load_qwen3_from_hf
+from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from tests.recipe_runs import RecipeRun, run_recipe, run_tune
 
@@ -38,7 +38,7 @@ def test_checkpoint_loads_in_transformers_with_same_logits(sft_warm_start: Recip
     assert checkpoint is not None
     model_dir = checkpoint / "model"
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ours = load_qwen3_from_hf(model_dir).eval()
+    ours = load_decoder_from_hf(model_dir).eval()
     tokens = torch.randint(
         0, hf_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
     )

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python tools/eval_gsm8k.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from composer_tune.checkpointing import load_qwen3_from_hf  # noqa: E402
+from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR  # noqa: E402
 from composer_tune.data.gsm8k import GSM8K  # noqa: E402
 from composer_tune.data.tokenizer import Qwen3Tokenizer  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> float:
         checkpoint = checkpoint / MODEL_DIR
     tokenizer = load_tokenizer(checkpoint, args.tokenizer)
     device = torch.device(args.device)
-    model = load_qwen3_from_hf(checkpoint, dtype=DTYPES[args.dtype]).to(device).eval()
+    model = load_decoder_from_hf(checkpoint, dtype=DTYPES[args.dtype]).to(device).eval()
     dataset = GSM8K(split=args.split, source=args.source)
     samples = select_problems(dataset, args.offset, args.limit)
     generator = None

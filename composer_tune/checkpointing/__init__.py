@@ -1,25 +1,25 @@
 """Checkpoint I/O: Hugging Face-format Qwen3 directories in and out."""
 
-from composer_tune.checkpointing.hf_qwen3 import (
+from composer_tune.checkpointing.hf_checkpoint import (
     CheckpointError,
-    hf_config_from_qwen3_args,
-    hf_to_qwen3_state_dict,
-    load_hf_qwen3,
-    load_qwen3_from_hf,
-    qwen3_args_from_hf_config,
-    qwen3_from_hf_config,
-    qwen3_to_hf_state_dict,
-    save_hf_qwen3,
+    decoder_args_from_hf_config,
+    decoder_from_hf_config,
+    decoder_to_hf_state_dict,
+    hf_config_from_decoder_args,
+    hf_to_decoder_state_dict,
+    load_decoder_from_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
 )
 
 __all__ = [
     "CheckpointError",
-    "hf_config_from_qwen3_args",
-    "hf_to_qwen3_state_dict",
-    "load_hf_qwen3",
-    "load_qwen3_from_hf",
-    "qwen3_args_from_hf_config",
-    "qwen3_from_hf_config",
-    "qwen3_to_hf_state_dict",
-    "save_hf_qwen3",
+    "hf_config_from_decoder_args",
+    "hf_to_decoder_state_dict",
+    "load_hf_checkpoint",
+    "load_decoder_from_hf",
+    "decoder_args_from_hf_config",
+    "decoder_from_hf_config",
+    "decoder_to_hf_state_dict",
+    "save_hf_checkpoint",
 ]

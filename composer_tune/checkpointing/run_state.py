@@ -33,19 +33,19 @@ import torch
 from torch import nn
 from torchtune import training
 
-from composer_tune.checkpointing.hf_qwen3 import (
+from composer_tune.checkpointing.hf_checkpoint import (
     CheckpointError,
     _checkpoint_dir,
-    _read_json,
     _weight_files,
-    hf_config_from_qwen3_args,
-    load_hf_qwen3,
-    qwen3_args_from_hf_config,
-    save_hf_qwen3,
+    decoder_args_from_hf_config,
+    hf_config_from_decoder_args,
+    load_hf_checkpoint,
+    read_json,
+    save_hf_checkpoint,
 )
 from composer_tune.data.tokenizer import Qwen3Tokenizer
 from composer_tune.distributed import DistInfo, barrier
-from composer_tune.models import Qwen3Args
+from composer_tune.models.decoder import DecoderArgs
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINING_STATE = "training_state.pt"
@@ -192,7 +192,7 @@ def save_run_checkpoint(
     barrier()
     if dist_info.is_main:
         hf_config, generation_config = _with_chat_token_ids(model_config, tokenizer_dir)
-        save_hf_qwen3(
+        save_hf_checkpoint(
             model_sd,
             hf_config,
             staging / MODEL_DIR,
@@ -240,11 +240,11 @@ def _with_chat_token_ids(
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
     }
-    args = model_config if isinstance(model_config, Qwen3Args) else None
+    args = model_config if isinstance(model_config, DecoderArgs) else None
     if args is None:
         return {**dict(model_config), **token_ids}, None
     generation = {**token_ids, "eos_token_id": list(tokenizer.stop_tokens)}
-    return hf_config_from_qwen3_args(args, torch.float32, extra=token_ids), generation
+    return hf_config_from_decoder_args(args, torch.float32, extra=token_ids), generation
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -319,23 +319,23 @@ def load_training_state(
 
 
 def _model_dir(checkpoint_dir: str | os.PathLike[str]) -> Path:
-    """An HF Qwen3 directory as given, or a run checkpoint's ``model/`` inside it."""
+    """An HF checkpoint directory as given, or a run checkpoint's ``model/`` inside it."""
     path = Path(checkpoint_dir)
     if (path / MODEL_DIR / "config.json").is_file():
         path = path / MODEL_DIR
     return path
 
 
-def check_model_files(checkpoint_dir: str | os.PathLike[str]) -> Qwen3Args:
-    """Pre-flight of an HF Qwen3 directory (or a run checkpoint), reading no weights.
+def check_model_files(checkpoint_dir: str | os.PathLike[str]) -> DecoderArgs:
+    """Pre-flight of an HF checkpoint directory (or a run checkpoint), reading no weights.
 
-    Checks that ``config.json`` describes a Qwen3 model and that every weight file exists, so a
+    Checks that ``config.json`` describes a supported model and that every weight file exists, so a
     broken checkpoint fails in seconds, naming the path, rather than after the shards before
     the missing one were read. Returns the architecture. Raises CheckpointError.
     """
     directory = _checkpoint_dir(_model_dir(checkpoint_dir))
     config_path = directory / "config.json"
-    args = qwen3_args_from_hf_config(_read_json(config_path), source=str(config_path))
+    args = decoder_args_from_hf_config(read_json(config_path), source=str(config_path))
     for filename in _weight_files(directory):
         if not (directory / filename).is_file():
             raise CheckpointError(f"missing weight file {directory / filename}")
@@ -343,6 +343,6 @@ def check_model_files(checkpoint_dir: str | os.PathLike[str]) -> Qwen3Args:
 
 
 def load_model_weights(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Weights of an HF Qwen3 directory (or a run checkpoint's ``model/``) under our names."""
-    _, state_dict = load_hf_qwen3(_model_dir(checkpoint_dir))
+    """Weights of an HF checkpoint directory (or a run checkpoint's ``model/``) under our names."""
+    _, state_dict = load_hf_checkpoint(_model_dir(checkpoint_dir))
     return state_dict

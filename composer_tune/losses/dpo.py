@@ -215,7 +215,7 @@ def completion_logps(
 ) -> tuple[Tensor, Tensor]:
     """Summed completion log-probs of every row of ``batch`` and the completion lengths.
 
-    One forward of ``model`` (a ``Qwen3Decoder``, or any decoder accepting ``head_fn``) through
+    One forward of ``model`` (a ``CausalDecoder``, or any decoder accepting ``head_fn``) through
     the chunked log-prob head, so no ``[b, T, vocab]`` logits are materialised. Gradients flow
     when grad is enabled (the policy); wrap in ``torch.no_grad()`` for the reference.
 

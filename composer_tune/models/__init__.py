@@ -1,13 +1,18 @@
-"""Qwen3 models built from torchtune components (torchtune 0.6.1 ships none)."""
+"""Decoders of the Llama, Qwen2 and Qwen3 families built from torchtune components (torchtune
+0.6.1 ships no Qwen3), Qwen3 presets, and :func:`from_pretrained` for any Hugging Face
+checkpoint of those families."""
 
-from composer_tune.models.qwen3_components import (
+from composer_tune.models.decoder import (
+    FAMILIES,
+    CausalDecoder,
+    DecoderArgs,
+    GroupedQueryAttention,
     HeadFn,
-    Qwen3Args,
-    Qwen3Attention,
-    Qwen3Decoder,
+    Llama3RopeScaling,
+    decoder_from_args,
     qwen3,
-    qwen3_from_args,
 )
+from composer_tune.models.pretrained import from_pretrained
 from composer_tune.models.qwen3_presets import (
     qwen3_0_6b,
     qwen3_1_7b,
@@ -19,10 +24,14 @@ from composer_tune.models.qwen3_presets import (
 )
 
 __all__ = [
+    "FAMILIES",
+    "CausalDecoder",
+    "DecoderArgs",
+    "GroupedQueryAttention",
     "HeadFn",
-    "Qwen3Args",
-    "Qwen3Attention",
-    "Qwen3Decoder",
+    "Llama3RopeScaling",
+    "decoder_from_args",
+    "from_pretrained",
     "qwen3",
     "qwen3_0_6b",
     "qwen3_14b",
@@ -30,6 +39,5 @@ __all__ = [
     "qwen3_32b",
     "qwen3_4b",
     "qwen3_8b",
-    "qwen3_from_args",
     "qwen3_tiny",
 ]

@@ -6,7 +6,7 @@ RoPE cache; the rest of the shape is fixed by the published checkpoint.
 
 from __future__ import annotations
 
-from composer_tune.models.qwen3_components import Qwen3Decoder, qwen3
+from composer_tune.models.decoder import CausalDecoder, qwen3
 
 _QWEN3_VOCAB = 151936
 _QWEN3_MAX_POS = 40960  # max_position_embeddings in every Qwen3 dense config.json
@@ -23,7 +23,7 @@ def _published(
     intermediate_dim: int,
     tie_word_embeddings: bool,
     max_seq_len: int,
-) -> Qwen3Decoder:
+) -> CausalDecoder:
     return qwen3(
         vocab_size=_QWEN3_VOCAB,
         num_layers=num_layers,
@@ -39,7 +39,7 @@ def _published(
     )
 
 
-def qwen3_0_6b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_0_6b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-0.6B: 28 layers, dim 1024, 16/8 heads, ffn 3072, tied embeddings."""
     return _published(
         num_layers=28,
@@ -51,7 +51,7 @@ def qwen3_0_6b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
     )
 
 
-def qwen3_1_7b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_1_7b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-1.7B: 28 layers, dim 2048, 16/8 heads, ffn 6144, tied embeddings."""
     return _published(
         num_layers=28,
@@ -63,7 +63,7 @@ def qwen3_1_7b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
     )
 
 
-def qwen3_4b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_4b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-4B: 36 layers, dim 2560, 32/8 heads, ffn 9728, tied embeddings."""
     return _published(
         num_layers=36,
@@ -75,7 +75,7 @@ def qwen3_4b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
     )
 
 
-def qwen3_8b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_8b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-8B: 36 layers, dim 4096, 32/8 heads, ffn 12288, separate lm head."""
     return _published(
         num_layers=36,
@@ -87,7 +87,7 @@ def qwen3_8b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
     )
 
 
-def qwen3_14b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_14b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-14B: 40 layers, dim 5120, 40/8 heads, ffn 17408, separate lm head."""
     return _published(
         num_layers=40,
@@ -99,7 +99,7 @@ def qwen3_14b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
     )
 
 
-def qwen3_32b(max_seq_len: int = _QWEN3_MAX_POS) -> Qwen3Decoder:
+def qwen3_32b(max_seq_len: int = _QWEN3_MAX_POS) -> CausalDecoder:
     """Qwen3-32B: 64 layers, dim 5120, 64/8 heads, ffn 25600, separate lm head."""
     return _published(
         num_layers=64,
@@ -124,7 +124,7 @@ def qwen3_tiny(
     norm_eps: float = 1e-6,
     tie_word_embeddings: bool = True,
     initializer_range: float = 0.02,
-) -> Qwen3Decoder:
+) -> CausalDecoder:
     """A few-hundred-thousand-parameter Qwen3 for CPU tests and smoke runs.
 
     Keeps the real architecture (GQA, q/k norm, head_dim != embed_dim / num_heads is allowed);

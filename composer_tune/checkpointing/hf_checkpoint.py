@@ -1,4 +1,5 @@
-"""Hugging Face-format Qwen3 checkpoints: read into :mod:`composer_tune.models`, write back out.
+"""Hugging Face-format checkpoints of the Llama, Qwen2 and Qwen3 families: read into
+:mod:`composer_tune.models`, write back out, through one key map for all three.
 
 The written directory (``config.json``, ``generation_config.json``, safetensors weights with a
 ``model.safetensors.index.json`` when sharded) loads with
@@ -8,6 +9,7 @@ The written directory (``config.json``, ``generation_config.json``, safetensors 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from composer_tune.models.qwen3_components import Qwen3Args, Qwen3Decoder, qwen3_from_args
+from composer_tune.models.decoder import (
+    FAMILIES,
+    CausalDecoder,
+    DecoderArgs,
+    Llama3RopeScaling,
+    decoder_from_args,
+)
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -34,6 +42,9 @@ _LAYER_KEYS = {
     "self_attn.q_proj.weight": "attn.q_proj.weight",
     "self_attn.k_proj.weight": "attn.k_proj.weight",
     "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.q_proj.bias": "attn.q_proj.bias",
+    "self_attn.k_proj.bias": "attn.k_proj.bias",
+    "self_attn.v_proj.bias": "attn.v_proj.bias",
     "self_attn.o_proj.weight": "attn.output_proj.weight",
     "self_attn.q_norm.weight": "attn.q_norm.scale",
     "self_attn.k_norm.weight": "attn.k_norm.scale",
@@ -53,11 +64,27 @@ _TUNE_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_KEYS_INV = {tune: hf for hf, tune in _LAYER_KEYS.items()}
 _GLOBAL_KEYS_INV = {tune: hf for hf, tune in _GLOBAL_KEYS.items()}
 
-# Files written by save_hf_qwen3 itself, or weights in other formats: never copied from a source.
+# Files written by save_hf_checkpoint itself, or weights in other formats: never copied from a source.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _OWN_FILES = {CONFIG_NAME, INDEX_NAME, "pytorch_model.bin.index.json"}
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+# Per family: config keys whose only supported value is the one given (absent = that value).
+_FIXED_KEYS = {
+    "qwen3": {"use_sliding_window": False, "attention_bias": False, "hidden_act": "silu"},
+    "qwen2": {"use_sliding_window": False, "hidden_act": "silu"},
+    "llama": {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "pretraining_tp": 1,
+    },
+}
 
 
 class CheckpointError(ValueError):
@@ -67,73 +94,103 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- config.json
 
 
-def qwen3_args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_NAME) -> Qwen3Args:
-    """Translate a Hugging Face Qwen3 ``config.json`` dict into :class:`Qwen3Args`.
+def decoder_args_from_hf_config(
+    config: Mapping[str, Any], source: str = CONFIG_NAME
+) -> DecoderArgs:
+    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2 or Qwen3) into
+    :class:`DecoderArgs`.
 
-    Optional keys fall back to ``transformers.Qwen3Config``'s defaults. Features this model does
-    not implement (RoPE scaling, sliding windows, attention bias, non-SiLU MLP) raise
-    :class:`CheckpointError` naming the key, rather than loading into a silently different model.
+    Optional keys fall back to transformers' defaults. A ``model_type`` or an option this model
+    does not implement (sliding windows, Llama attention/MLP bias, non-SiLU MLP, RoPE scaling
+    other than Llama 3.1's) raises :class:`CheckpointError` naming ``source`` and the key,
+    rather than loading into a silently different model.
     """
-    model_type = config.get("model_type")
-    if model_type != "qwen3":
-        raise CheckpointError(f"{source}: model_type is {model_type!r}, expected 'qwen3'")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(
+            f"{source}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
 
     def required(key: str) -> Any:
         if key not in config:
             raise CheckpointError(f"{source}: missing required key {key!r}")
         return config[key]
 
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only default)")
-    rope_base = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
-    unsupported = {
-        "use_sliding_window": False,
-        "attention_bias": False,
-        "hidden_act": "silu",
-    }
-    for key, supported in unsupported.items():
-        if config.get(key, supported) != supported:
+    for key, supported in _FIXED_KEYS[family].items():
+        if config.get(key, supported) not in (supported, None):
             raise CheckpointError(
-                f"{source}: {key}={config[key]!r} is not supported (only {supported!r})"
+                f"{source}: {key}={config[key]!r} is not supported for {family} "
+                f"(only {supported!r})"
             )
-
+    rope_base, rope_scaling = _rope(config, family, source)
     embed_dim = required("hidden_size")
     num_heads = required("num_attention_heads")
     try:
-        return Qwen3Args(
+        return DecoderArgs(
             vocab_size=required("vocab_size"),
             num_layers=required("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads", num_heads),
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
             embed_dim=embed_dim,
             intermediate_dim=required("intermediate_size"),
             head_dim=config.get("head_dim") or embed_dim // num_heads,
             max_seq_len=config.get("max_position_embeddings", 32768),
-            rope_base=float(rope_base),
+            rope_base=rope_base,
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            family=family,
+            rope_scaling=rope_scaling,
         )
     except ValueError as err:
         raise CheckpointError(f"{source}: {err}") from err
 
 
-def hf_config_from_qwen3_args(
-    args: Qwen3Args, dtype: torch.dtype, extra: Mapping[str, Any] | None = None
+def _rope(
+    config: Mapping[str, Any], family: str, source: str
+) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE base and scaling from transformers 5's ``rope_parameters`` or 4.x's
+    ``rope_theta`` + ``rope_scaling``."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    base = float(rope.get("rope_theta", config.get("rope_theta", 10_000.0)))
+    if rope_type == "default":
+        return base, None
+    if rope_type != "llama3" or family != "llama":
+        raise CheckpointError(
+            f"{source}: {key}.rope_type={rope_type!r} is not supported for {family} "
+            "(only 'default', and 'llama3' for llama)"
+        )
+    try:
+        return base, Llama3RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    except KeyError as err:
+        raise CheckpointError(f"{source}: {key} of rope_type 'llama3' lacks {err}") from None
+
+
+def hf_config_from_decoder_args(
+    args: DecoderArgs, dtype: torch.dtype, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The ``config.json`` dict for ``args``: what transformers (4.51+ and 5.x) and vLLM read.
+    """The ``config.json`` dict for ``args``: what transformers (4.5x and 5.x) and vLLM read.
 
     ``extra`` (e.g. the source checkpoint's config) supplies keys this model does not own, such
     as ``bos_token_id``/``eos_token_id``; shape keys always come from ``args``. RoPE is written
-    both as ``rope_theta`` (transformers 4.x, vLLM) and ``rope_parameters`` (transformers 5.x).
+    both as ``rope_theta``/``rope_scaling`` (transformers 4.x, vLLM) and ``rope_parameters``
+    (transformers 5.x).
     """
     config = dict(extra or {})
-    for stale in ("rope_scaling", "torch_dtype", "dtype", "layer_types", "transformers_version"):
+    for stale in ("torch_dtype", "dtype", "layer_types", "transformers_version"):
         config.pop(stale, None)
+    rope_scaling = None
+    if args.rope_scaling is not None:
+        rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
     config.update(
-        architectures=["Qwen3ForCausalLM"],
-        model_type="qwen3",
+        architectures=[_ARCHITECTURES[args.family]],
+        model_type=args.family,
         vocab_size=args.vocab_size,
         hidden_size=args.embed_dim,
         intermediate_size=args.intermediate_dim,
@@ -144,26 +201,34 @@ def hf_config_from_qwen3_args(
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
         rope_theta=args.rope_base,
-        rope_scaling=None,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_base},
+        rope_scaling=rope_scaling,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": args.rope_base,
+            **(rope_scaling or {}),
+        },
         tie_word_embeddings=args.tie_word_embeddings,
         hidden_act="silu",
-        attention_bias=False,
         attention_dropout=0.0,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=args.num_layers,
         torch_dtype=_DTYPE_NAMES[dtype],
         dtype=_DTYPE_NAMES[dtype],
         use_cache=True,
     )
+    if args.family == "llama":
+        config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        config.update(
+            use_sliding_window=False, sliding_window=None, max_window_layers=args.num_layers
+        )
+        if args.family == "qwen3":
+            config.update(attention_bias=False)
     config.setdefault("initializer_range", 0.02)
     config.setdefault("bos_token_id", None)
     config.setdefault("eos_token_id", None)
     return config
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"missing file {path}")
     try:
@@ -179,26 +244,26 @@ def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     return directory
 
 
-def qwen3_from_hf_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Qwen3Decoder:
-    """Build an (initialised, not loaded) Qwen3 decoder from a ``config.json`` dict or directory."""
+def decoder_from_hf_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> CausalDecoder:
+    """Build an (initialised, not loaded) decoder from a ``config.json`` dict or directory."""
     if isinstance(config, Mapping):
-        return qwen3_from_args(qwen3_args_from_hf_config(config))
+        return decoder_from_args(decoder_args_from_hf_config(config))
     path = _checkpoint_dir(config) / CONFIG_NAME
-    return qwen3_from_args(qwen3_args_from_hf_config(_read_json(path), source=str(path)))
+    return decoder_from_args(decoder_args_from_hf_config(read_json(path), source=str(path)))
 
 
 # ----------------------------------------------------------------------------- state dicts
 
 
-def _expected_shapes(args: Qwen3Args) -> dict[str, torch.Size]:
+def _expected_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
     """Parameter names and shapes of the model ``args`` describes (built on meta: no memory)."""
     with torch.device("meta"):
-        model = qwen3_from_args(args)
+        model = decoder_from_args(args)
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 
 def _check_against_model(
-    state_dict: Mapping[str, torch.Tensor], args: Qwen3Args, what: str
+    state_dict: Mapping[str, torch.Tensor], args: DecoderArgs, what: str
 ) -> None:
     """Raise naming every missing, unexpected or mis-shaped key of ``state_dict``."""
     expected = _expected_shapes(args)
@@ -216,10 +281,10 @@ def _check_against_model(
             )
 
 
-def hf_to_qwen3_state_dict(
-    hf_state_dict: Mapping[str, torch.Tensor], args: Qwen3Args
+def hf_to_decoder_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor], args: DecoderArgs
 ) -> dict[str, torch.Tensor]:
-    """Rename a Hugging Face Qwen3 state dict to :class:`Qwen3Decoder` names and check shapes.
+    """Rename a Hugging Face state dict to :class:`CausalDecoder` names and check shapes.
 
     A tied checkpoint may still carry ``lm_head.weight``; it is dropped when it equals the
     embedding and rejected otherwise (the model could not represent it).
@@ -245,10 +310,10 @@ def hf_to_qwen3_state_dict(
     return converted
 
 
-def qwen3_to_hf_state_dict(
-    state_dict: Mapping[str, torch.Tensor], args: Qwen3Args
+def decoder_to_hf_state_dict(
+    state_dict: Mapping[str, torch.Tensor], args: DecoderArgs
 ) -> dict[str, torch.Tensor]:
-    """Rename a :class:`Qwen3Decoder` state dict to Hugging Face names (inverse of the above)."""
+    """Rename a :class:`CausalDecoder` state dict to Hugging Face names (inverse of the above)."""
     _check_against_model(state_dict, args, "model state dict")
     converted: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
@@ -267,7 +332,7 @@ def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     """Map each safetensors file to the keys the index assigns it (None: no index, take all)."""
     index_path = directory / INDEX_NAME
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no 'weight_map' object")
         files: dict[str, list[str] | None] = {}
@@ -279,19 +344,19 @@ def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     raise CheckpointError(f"{directory}: neither {SINGLE_WEIGHTS_NAME} nor {INDEX_NAME} found")
 
 
-def load_hf_qwen3(
+def load_hf_checkpoint(
     checkpoint_dir: str | os.PathLike[str], dtype: torch.dtype | None = None
-) -> tuple[Qwen3Args, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Qwen3 directory: its architecture and its weights in our names.
+) -> tuple[DecoderArgs, dict[str, torch.Tensor]]:
+    """Read a Hugging Face checkpoint directory: its architecture and its weights in our names.
 
     Handles a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
     ``dtype`` casts every tensor (None keeps the stored dtype). Build the model with
-    ``qwen3_from_args(args)`` and ``load_state_dict(state_dict)``, or use
-    :func:`load_qwen3_from_hf`.
+    ``decoder_from_args(args)`` and ``load_state_dict(state_dict)``, or use
+    :func:`load_decoder_from_hf`.
     """
     directory = _checkpoint_dir(checkpoint_dir)
     config_path = directory / CONFIG_NAME
-    args = qwen3_args_from_hf_config(_read_json(config_path), source=str(config_path))
+    args = decoder_args_from_hf_config(read_json(config_path), source=str(config_path))
     hf_state_dict: dict[str, torch.Tensor] = {}
     for filename, keys in _weight_files(directory).items():
         path = directory / filename
@@ -306,17 +371,17 @@ def load_hf_qwen3(
             for key in wanted:
                 tensor = shard.get_tensor(key)
                 hf_state_dict[key] = tensor if dtype is None else tensor.to(dtype)
-    return args, hf_to_qwen3_state_dict(hf_state_dict, args)
+    return args, hf_to_decoder_state_dict(hf_state_dict, args)
 
 
-def load_qwen3_from_hf(
+def load_decoder_from_hf(
     checkpoint_dir: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> Qwen3Decoder:
-    """Build a :class:`Qwen3Decoder` and load a Hugging Face Qwen3 checkpoint into it."""
-    args, state_dict = load_hf_qwen3(checkpoint_dir, dtype=dtype)
+) -> CausalDecoder:
+    """Build a :class:`CausalDecoder` and load a Hugging Face checkpoint into it."""
+    args, state_dict = load_hf_checkpoint(checkpoint_dir, dtype=dtype)
     # Build without allocating, then adopt the loaded tensors instead of copying into them.
     with torch.device("meta"):
-        model = qwen3_from_args(args)
+        model = decoder_from_args(args)
     model.load_state_dict(state_dict, strict=True, assign=True)
     for module in model.modules():
         if hasattr(module, "rope_init"):
@@ -366,9 +431,9 @@ def _write_json(path: Path, payload: Any) -> Path:
     return path
 
 
-def save_hf_qwen3(
+def save_hf_checkpoint(
     state_dict: Mapping[str, torch.Tensor],
-    config: Qwen3Args | Mapping[str, Any],
+    config: DecoderArgs | Mapping[str, Any],
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
@@ -376,11 +441,11 @@ def save_hf_qwen3(
     copy_files_from: str | os.PathLike[str] | None = None,
     generation_config: Mapping[str, Any] | None = None,
 ) -> list[Path]:
-    """Write a :class:`Qwen3Decoder` state dict as a Hugging Face Qwen3 checkpoint.
+    """Write a :class:`CausalDecoder` state dict as a Hugging Face checkpoint.
 
     Args:
         state_dict: full (not sharded) tensors under our names, e.g. ``model.state_dict()``.
-        config: the architecture, as :class:`Qwen3Args` (``model.config``) or a Hugging Face
+        config: the architecture, as :class:`DecoderArgs` (``model.config``) or a Hugging Face
             ``config.json`` dict (whose non-shape keys such as token ids are kept).
         out_dir: destination; created if needed, must not already hold weights.
         max_shard_size_bytes: split into ``model-0000i-of-0000n.safetensors`` plus an index
@@ -395,10 +460,10 @@ def save_hf_qwen3(
     Returns:
         The paths written.
     """
-    args = config if isinstance(config, Qwen3Args) else qwen3_args_from_hf_config(config)
+    args = config if isinstance(config, DecoderArgs) else decoder_args_from_hf_config(config)
     if max_shard_size_bytes <= 0:
         raise ValueError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
-    hf_state_dict = qwen3_to_hf_state_dict(state_dict, args)
+    hf_state_dict = decoder_to_hf_state_dict(state_dict, args)
     stored_dtype = _storage_dtype(hf_state_dict, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -414,8 +479,8 @@ def save_hf_qwen3(
             ):
                 written.append(Path(shutil.copy2(path, out / path.name)))
 
-    extra = None if isinstance(config, Qwen3Args) else config
-    hf_config = hf_config_from_qwen3_args(args, stored_dtype, extra)
+    extra = None if isinstance(config, DecoderArgs) else config
+    hf_config = hf_config_from_decoder_args(args, stored_dtype, extra)
     written.append(_write_json(out / CONFIG_NAME, hf_config))
     if generation_config is not None:
         written.append(_write_json(out / GENERATION_CONFIG_NAME, dict(generation_config)))
