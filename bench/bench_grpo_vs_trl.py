@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
-from composer_tune.data.tokenizer import Qwen3Tokenizer  # noqa: E402
+from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
 from composer_tune.models import qwen3_tiny  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
 
@@ -126,7 +126,7 @@ def save_model(args: argparse.Namespace, directory: Path) -> None:
     """A random Qwen3 of ``--model-size`` with the test tokenizer, as a Hugging Face directory."""
     torch.manual_seed(args.seed)
     model = qwen3_tiny(**MODEL_SIZES[args.model_size])
-    tokenizer = Qwen3Tokenizer.from_dir(TOKENIZER_DIR)
+    tokenizer = ChatTokenizer.from_dir(TOKENIZER_DIR)
     save_hf_checkpoint(
         model.state_dict(),
         model.config,
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         checkpoint = workdir / "model"
         save_model(args, checkpoint)
-        tokenizer = Qwen3Tokenizer.from_dir(checkpoint)
+        tokenizer = ChatTokenizer.from_dir(checkpoint)
         ours = [
             tokenizer.tokenize_messages(
                 s["prompt"], add_generation_prompt=True, enable_thinking=False

@@ -37,7 +37,7 @@ from composer_tune.data.preference import (
     compute_reference_logps,
     model_fingerprint,
 )
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses.dpo import DPO_LOSS_TYPES, DPOLossConfig, preference_loss
 
@@ -134,7 +134,7 @@ class DPOChannelConfig:
 
 
 def load_pair_splits(
-    cfg: DPOChannelConfig, tokenizer: Qwen3Tokenizer
+    cfg: DPOChannelConfig, tokenizer: ChatTokenizer
 ) -> tuple[PreferenceDataset, PreferenceDataset]:
     """The ``(train, heldout)`` pair splits of ``cfg.pairs``, rendered with the chat template.
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_tune.data.chat import render_chat
 from composer_tune.data.preference import (
     PreferenceDataError,
     PreferenceDataset,
@@ -24,7 +23,7 @@ from composer_tune.data.preference import (
     pair_id,
     reference_cache_path,
 )
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.dpo import DPOLossConfig, completion_targets, dpo_loss, preference_loss
 from composer_tune.models import qwen3_tiny
 
@@ -34,12 +33,12 @@ TOKENIZER_DIR = REPO / "tests/assets/tokenizer"
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Qwen3Tokenizer:
-    return Qwen3Tokenizer.from_dir(TOKENIZER_DIR)
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.from_dir(TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")
-def dataset(tokenizer: Qwen3Tokenizer) -> PreferenceDataset:
+def dataset(tokenizer: ChatTokenizer) -> PreferenceDataset:
     return PreferenceDataset(PAIRS, tokenizer, split="all")
 
 
@@ -90,15 +89,15 @@ def test_committed_pairs_are_what_make_pairs_produces(tmp_path: Path) -> None:
 
 
 def test_every_pair_renders_as_prompt_plus_one_assistant_turn(
-    dataset: PreferenceDataset, tokenizer: Qwen3Tokenizer
+    dataset: PreferenceDataset, tokenizer: ChatTokenizer
 ) -> None:
     rows = raw_rows()
     assert len(dataset) == len(rows) == dataset.stats["pairs"]
     for example, row in zip(dataset, rows, strict=True):
         tools = json.loads(row["tools_json"])
-        prompt_text = render_chat(
+        prompt_text = tokenizer.render(
             row["prompt_messages"], tools=tools, add_generation_prompt=True
-        ).text
+        )
         assert tokenizer.decode(example.prompt_ids, skip_special_tokens=False) == prompt_text
         assert example.prompt_ids == tokenizer.encode(prompt_text)
         for key, ids in (("chosen", example.chosen_ids), ("rejected", example.rejected_ids)):
@@ -116,13 +115,13 @@ def test_every_pair_renders_as_prompt_plus_one_assistant_turn(
                 )
                 assert block in text
             # Prompt + completion is exactly the full conversation's text up to <|im_end|>.
-            full = render_chat([*row["prompt_messages"], message], tools=tools).text
+            full = tokenizer.render([*row["prompt_messages"], message], tools=tools)
             assert prompt_text + text == full.removesuffix("\n")
         assert example.chosen_ids != example.rejected_ids
 
 
 def test_thinking_mode_moves_the_empty_think_block_into_the_prompt(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path
+    tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     rows = raw_rows()
     assert rows[0]["prompt_messages"][-1]["role"] == "user"
@@ -135,7 +134,7 @@ def test_thinking_mode_moves_the_empty_think_block_into_the_prompt(
 
 
 def test_answer_not_separable_from_prompt_is_an_error(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path
+    tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     """Without a user message in the context, Qwen3's template renders a final assistant turn
     without the empty <think> block that the non-thinking generation prompt ends with."""
@@ -150,8 +149,8 @@ def test_answer_not_separable_from_prompt_is_an_error(
         PreferenceDataset(path, tokenizer, split="all", enable_thinking=False)
 
 
-def test_tokenizer_that_truncates_is_refused(tokenizer: Qwen3Tokenizer) -> None:
-    truncating = Qwen3Tokenizer.from_dir(TOKENIZER_DIR, max_seq_len=64)
+def test_tokenizer_that_truncates_is_refused(tokenizer: ChatTokenizer) -> None:
+    truncating = ChatTokenizer.from_dir(TOKENIZER_DIR, max_seq_len=64)
     with pytest.raises(ValueError, match="max_seq_len"):
         PreferenceDataset(PAIRS, truncating, split="all")
 
@@ -160,7 +159,7 @@ def test_tokenizer_that_truncates_is_refused(tokenizer: Qwen3Tokenizer) -> None:
 
 
 def test_truncation_keeps_prompt_end_and_drops_overlong_completions(
-    dataset: PreferenceDataset, tokenizer: Qwen3Tokenizer
+    dataset: PreferenceDataset, tokenizer: ChatTokenizer
 ) -> None:
     longest = sorted(max(len(e.chosen_ids), len(e.rejected_ids)) for e in dataset)
     limit = longest[len(longest) // 2] + 40  # some completions fit, the longest do not
@@ -189,7 +188,7 @@ def test_truncation_keeps_prompt_end_and_drops_overlong_completions(
 
 
 def test_heldout_split_is_a_deterministic_partition_by_provenance_hash(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path
+    tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     fraction = 0.4
     train = PreferenceDataset(PAIRS, tokenizer, split="train", heldout_fraction=fraction)
@@ -266,7 +265,7 @@ def test_bad_rows_name_file_line_and_field(tmp_path: Path, mutate, message: str)
 
 
 def test_invalid_json_and_duplicate_steps_are_named(
-    tmp_path: Path, tokenizer: Qwen3Tokenizer
+    tmp_path: Path, tokenizer: ChatTokenizer
 ) -> None:
     rows = raw_rows()[:2]
     with pytest.raises(PreferenceDataError, match=r"broken\.jsonl:3: invalid JSON"):
@@ -278,7 +277,7 @@ def test_invalid_json_and_duplicate_steps_are_named(
         PreferenceDataset(duplicate, tokenizer, split="all")
 
 
-def test_rows_read_through_datasets_render_identically(tokenizer: Qwen3Tokenizer) -> None:
+def test_rows_read_through_datasets_render_identically(tokenizer: ChatTokenizer) -> None:
     """Rows as ``datasets`` hands them out (its JSON loader may add None-valued keys to
     make row schemas agree) render to the same tokens as the raw JSON rows."""
     import datasets
@@ -290,12 +289,12 @@ def test_rows_read_through_datasets_render_identically(tokenizer: Qwen3Tokenizer
         assert render_pair(arrow_row, tokenizer) == render_pair(json_row, tokenizer)
 
 
-def test_missing_pairs_file_is_named(tokenizer: Qwen3Tokenizer, tmp_path: Path) -> None:
+def test_missing_pairs_file_is_named(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="pairs file not found: .*nope.jsonl"):
         PreferenceDataset(tmp_path / "nope.jsonl", tokenizer)
 
 
-def test_directory_source_reads_every_jsonl(tmp_path: Path, tokenizer: Qwen3Tokenizer) -> None:
+def test_directory_source_reads_every_jsonl(tmp_path: Path, tokenizer: ChatTokenizer) -> None:
     rows = raw_rows()
     write_rows(tmp_path / "a.jsonl", rows[:5])
     write_rows(tmp_path / "b.jsonl", rows[5:])
@@ -307,7 +306,7 @@ def test_directory_source_reads_every_jsonl(tmp_path: Path, tokenizer: Qwen3Toke
 
 
 def test_collate_lays_out_chosen_then_rejected_with_aligned_targets(
-    dataset: PreferenceDataset, tokenizer: Qwen3Tokenizer
+    dataset: PreferenceDataset, tokenizer: ChatTokenizer
 ) -> None:
     examples = [dataset[i] for i in (0, 7, 3)]
     batch = collate_preference(examples, pad_id=tokenizer.pad_id)
@@ -333,14 +332,14 @@ def test_collate_lays_out_chosen_then_rejected_with_aligned_targets(
 # ----------------------------------------------------------------------- reference log-probs
 
 
-def small_dataset(tokenizer: Qwen3Tokenizer, tmp_path: Path, max_seq_len: int) -> PreferenceDataset:
+def small_dataset(tokenizer: ChatTokenizer, tmp_path: Path, max_seq_len: int) -> PreferenceDataset:
     """Six pairs of both modes with completions under 160 tokens, truncated: a fast pass."""
     path = write_rows(tmp_path / "six.jsonl", [raw_rows()[i] for i in (1, 2, 3, 4, 10, 12)])
     return PreferenceDataset(path, tokenizer, split="all", max_seq_len=max_seq_len)
 
 
 def test_reference_logps_match_per_row_full_softmax_and_are_cached(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tokenizer: ChatTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
     model = qwen3_tiny(vocab_size=tokenizer.vocab_size, max_seq_len=256)
@@ -390,7 +389,7 @@ def _fp(path: Path) -> str:
 
 
 def test_cache_misses_when_tokens_change_and_reports_corruption(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path
+    tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
     model = qwen3_tiny(vocab_size=tokenizer.vocab_size, max_seq_len=256)
@@ -415,7 +414,7 @@ def test_cache_misses_when_tokens_change_and_reports_corruption(
 
 
 def test_preference_loss_with_cached_or_live_reference(
-    tokenizer: Qwen3Tokenizer, tmp_path: Path
+    tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     """The recipe-facing step: cached reference (collated) == live reference model == the
     same quantities assembled by hand, per pair, from unpadded rows. IPO, so the token counts

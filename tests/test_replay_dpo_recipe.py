@@ -25,7 +25,7 @@ import torch
 
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.data.preference import PreferenceDataset
-from composer_tune.data.tokenizer import qwen3_tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo
 from composer_tune.dpo_channel import DPOChannelConfig, PairStream, evaluate_pairs, load_pair_splits
 from composer_tune.losses.dpo import dpo_loss
@@ -38,7 +38,7 @@ PAIRS = REPO_ROOT / "tests" / "assets" / "pairs" / "pairs.jsonl"
 
 @pytest.fixture(scope="module")
 def pair_splits() -> tuple[PreferenceDataset, PreferenceDataset]:
-    tokenizer = qwen3_tokenizer(str(REPO_ROOT / "tests" / "assets" / "tokenizer"))
+    tokenizer = ChatTokenizer.from_dir(str(REPO_ROOT / "tests" / "assets" / "tokenizer"))
     cfg = DPOChannelConfig(weight=1.0, pairs=str(PAIRS), max_seq_len=256, heldout_fraction=0.3)
     return load_pair_splits(cfg, tokenizer)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from composer_tune.data.synthetic import SyntheticArithmetic
-from composer_tune.data.tokenizer import qwen3_tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.models import qwen3_tiny
 from composer_tune.rewards import MathAnswerReward
 from composer_tune.rollout import generate
@@ -23,7 +23,7 @@ TEMPERATURE = 0.7
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return qwen3_tokenizer("tests/assets/tokenizer")
+    return ChatTokenizer.from_dir("tests/assets/tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.distill import DistillConfig, EMATeacher
 from composer_tune.models import qwen3_tiny
 from composer_tune.rollout.generation import pack_sequences
@@ -41,8 +41,8 @@ USER_TEMPLATE = "{content}\n\n{hint}\n\nCorrectly solve the original question."
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Qwen3Tokenizer:
-    return Qwen3Tokenizer.from_dir(REPO_ROOT / "tests" / "assets" / "tokenizer")
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.from_dir(REPO_ROOT / "tests" / "assets" / "tokenizer")
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -51,7 +51,7 @@ def tiny_model(seed: int = 0) -> nn.Module:
     return qwen3_tiny(vocab_size=994, initializer_range=0.2)
 
 
-def rollout_batch(tokenizer: Qwen3Tokenizer) -> RolloutBatch:
+def rollout_batch(tokenizer: ChatTokenizer) -> RolloutBatch:
     """Three hand-made rollouts of three prompts (one group each)."""
     samples = [
         {"id": f"q{i}", "prompt": [{"role": "user", "content": q}], "answer": a}
@@ -117,7 +117,7 @@ def reference_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> tor
 
 
 def reference_row1(
-    tokenizer: Qwen3Tokenizer, student: nn.Module, teacher: nn.Module
+    tokenizer: ChatTokenizer, student: nn.Module, teacher: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row 1 (the only row with a teacher), by hand: per-token student and teacher log-probs of
     the whole vocabulary, and of the completion tokens."""
@@ -145,7 +145,7 @@ def reference_row1(
     return student_logp, teacher_logp, gap.squeeze(1)
 
 
-def test_metrics_and_loss_match_a_hand_computation(tokenizer: Qwen3Tokenizer) -> None:
+def test_metrics_and_loss_match_a_hand_computation(tokenizer: ChatTokenizer) -> None:
     model = tiny_model()
     rollouts = rollout_batch(tokenizer)
     loss, metrics = sdpo_channel_loss(
@@ -163,7 +163,7 @@ def test_metrics_and_loss_match_a_hand_computation(tokenizer: Qwen3Tokenizer) ->
 
 
 @pytest.mark.parametrize("top_k", [None, 5])
-def test_ema_teacher_uses_its_own_weights(tokenizer: Qwen3Tokenizer, top_k: int | None) -> None:
+def test_ema_teacher_uses_its_own_weights(tokenizer: ChatTokenizer, top_k: int | None) -> None:
     model = tiny_model()
     ema = EMATeacher(model, rate=0.5, teacher=tiny_model(seed=1))
     with torch.no_grad():  # move the student, so teacher and student weights differ
@@ -188,7 +188,7 @@ def test_ema_teacher_uses_its_own_weights(tokenizer: Qwen3Tokenizer, top_k: int 
     assert metrics["sdpo/teacher_minus_student_logp"] == pytest.approx(float(gap.mean()), rel=1e-4)
 
 
-def test_weight_zero_runs_nothing(tokenizer: Qwen3Tokenizer) -> None:
+def test_weight_zero_runs_nothing(tokenizer: ChatTokenizer) -> None:
     model = tiny_model()
     counter = ForwardCounter(model)
     rollouts = rollout_batch(tokenizer)
@@ -224,7 +224,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def test_one_student_forward_gives_both_losses(tokenizer: Qwen3Tokenizer) -> None:
+def test_one_student_forward_gives_both_losses(tokenizer: ChatTokenizer) -> None:
     """logprobs_with_sdpo = sequence_logprobs + sdpo_channel_loss, values and gradients, with
     two forwards (teacher + student) instead of three."""
     model = tiny_model()
@@ -259,7 +259,7 @@ def test_one_student_forward_gives_both_losses(tokenizer: Qwen3Tokenizer) -> Non
         assert (ours - theirs).norm() <= 1e-5 * theirs.norm()
 
 
-def test_teacher_batch_slices_and_normalizer(tokenizer: Qwen3Tokenizer) -> None:
+def test_teacher_batch_slices_and_normalizer(tokenizer: ChatTokenizer) -> None:
     """Micro-batches cut from a whole-batch teacher batch, with the step's token count as
     normalizer, sum to the whole batch's loss."""
     model = tiny_model()
@@ -289,7 +289,7 @@ def test_teacher_batch_slices_and_normalizer(tokenizer: Qwen3Tokenizer) -> None:
     assert reduced["sdpo/divergence"] == pytest.approx(per_micro[0]["sdpo/divergence"])
 
 
-def test_rows_without_a_verdict_are_judged_by_score(tokenizer: Qwen3Tokenizer) -> None:
+def test_rows_without_a_verdict_are_judged_by_score(tokenizer: ChatTokenizer) -> None:
     """A reward that leaves ``correct`` None (e.g. a pure score) still gets sibling hints and
     ``apply_to=failed``: the score is compared with ``success_threshold``, not read as False."""
     rollouts = rollout_batch(tokenizer)
@@ -307,7 +307,7 @@ def test_rows_without_a_verdict_are_judged_by_score(tokenizer: Qwen3Tokenizer) -
 
 
 def test_importance_clipping_without_sampling_logprobs_is_named(
-    tokenizer: Qwen3Tokenizer,
+    tokenizer: ChatTokenizer,
 ) -> None:
     rollouts = rollout_batch(tokenizer)
     rollouts.old_logp = None

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from composer_tune.data.gsm8k import GSM8K
 from composer_tune.data.synthetic import SyntheticArithmetic
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.distill import DistillConfig, distill_loss
 from composer_tune.losses.logprobs import naive_token_logprobs
 from composer_tune.models import qwen3_tiny
@@ -33,8 +33,8 @@ SUFFIX = "\n\nCorrectly solve the original question."
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Qwen3Tokenizer:
-    return Qwen3Tokenizer.from_dir(ASSETS / "tokenizer")
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.from_dir(ASSETS / "tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def gsm8k() -> list[dict]:
     return [data[0], data[1]]
 
 
-def rollouts(tokenizer: Qwen3Tokenizer, gsm8k: list[dict]) -> dict:
+def rollouts(tokenizer: ChatTokenizer, gsm8k: list[dict]) -> dict:
     """Two prompts x three completions. Group 0: rows 0 (wrong), 1 (right), 2 (right).
     Group 1: rows 3 (wrong, no feedback), 4 (wrong), 5 (right, the group's only success)."""
     texts = [
@@ -74,11 +74,11 @@ def rollouts(tokenizer: Qwen3Tokenizer, gsm8k: list[dict]) -> dict:
     }
 
 
-def build(tokenizer: Qwen3Tokenizer, data: dict, **config):
+def build(tokenizer: ChatTokenizer, data: dict, **config):
     return build_teacher_batch(tokenizer, TeacherContextConfig(**config), **data)
 
 
-def prompt_ids(tokenizer: Qwen3Tokenizer, messages: list[dict], **kwargs) -> list[int]:
+def prompt_ids(tokenizer: ChatTokenizer, messages: list[dict], **kwargs) -> list[int]:
     ids, _ = tokenizer.tokenize_messages(messages, add_generation_prompt=True, **kwargs)
     return ids
 
@@ -377,7 +377,7 @@ def test_input_errors(tokenizer, gsm8k) -> None:
         build(tokenizer, {**data, "samples": [no_user] * 6})
     with pytest.raises(KeyError, match="no 'prompt'"):
         build(tokenizer, {**data, "samples": [{"id": "x"}] * 6})
-    short = Qwen3Tokenizer.from_dir(ASSETS / "tokenizer", max_seq_len=20)
+    short = ChatTokenizer.from_dir(ASSETS / "tokenizer", max_seq_len=20)
     with pytest.raises(ValueError, match="max_seq_len=20"):
         build(short, data)
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from composer_tune import config
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.evaluation import encode_prompts
 from composer_tune.metrics_log import parse_metric_lines
 from composer_tune.rewards import MathAnswerReward
@@ -125,7 +125,7 @@ def test_ema_teacher_resume_is_exact_and_sdpo_term_is_nonzero(
         assert resumed[step] == straight[step], step
 
 
-def _gold_rollouts(tokenizer: Qwen3Tokenizer, samples: list[dict]) -> RolloutBatch:
+def _gold_rollouts(tokenizer: ChatTokenizer, samples: list[dict]) -> RolloutBatch:
     """One row per sample whose completion is the gold answer (then end of turn), scored as a
     wrong attempt, so that the hint is the verifier's feedback naming the answer."""
     prompts = encode_prompts(tokenizer, samples, enable_thinking=False)

@@ -1,4 +1,4 @@
-"""Qwen3Tokenizer and the Qwen3 chat format against transformers' Qwen2Tokenizer + Jinja template.
+"""ChatTokenizer and the Qwen3 chat format against transformers' Qwen2Tokenizer + Jinja template.
 
 The peer is ``transformers.AutoTokenizer`` loading the same files: it builds its own BPE pipeline
 from vocab.json/merges.txt and renders chats with the official Jinja template stored in
@@ -17,8 +17,7 @@ import pytest
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from composer_tune.data.chat import QWEN3_CHAT_TEMPLATE, render_chat
-from composer_tune.data.tokenizer import QWEN3_ADDED_TOKENS, Qwen3Tokenizer, qwen3_tokenizer
+from composer_tune.data.tokenizer import QWEN3_ADDED_TOKENS, ChatTokenizer, from_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "tests" / "assets" / "tokenizer"
@@ -34,8 +33,8 @@ def _load_tool():
 
 
 @pytest.fixture(scope="module")
-def ours() -> Qwen3Tokenizer:
-    return Qwen3Tokenizer.from_dir(ASSET)
+def ours() -> ChatTokenizer:
+    return ChatTokenizer.from_dir(ASSET)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +62,14 @@ TEXTS = [
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_matches_transformers(ours: Qwen3Tokenizer, hf, text: str) -> None:
+def test_encode_matches_transformers(ours: ChatTokenizer, hf, text: str) -> None:
     assert ours.encode(text) == hf.encode(text, add_special_tokens=False)
 
 
 def test_texts_detect_a_wrong_pretokenizer(hf) -> None:
     # GPT-2's regex instead of Qwen's (digit runs, contractions, whitespace differ) must change
     # ids on the texts above, else the comparison could not catch a wrong regex.
-    wrong = Qwen3Tokenizer.from_dir(ASSET)
+    wrong = ChatTokenizer.from_dir(ASSET)
     wrong._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
         add_prefix_space=False, use_regex=True
     )
@@ -89,7 +88,7 @@ def test_digits_stay_single_even_with_a_digit_merge(tmp_path: Path) -> None:
         merges.write("1 2\n")
     config = _load_tool().tokenizer_config(len(vocab), 32768)
     (target / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    ours_12 = Qwen3Tokenizer.from_dir(target)
+    ours_12 = ChatTokenizer.from_dir(target)
     hf_12 = AutoTokenizer.from_pretrained(str(target))
     text = "2012 + 12 = 2024, x12y"
     ids = ours_12.encode(text)
@@ -97,7 +96,7 @@ def test_digits_stay_single_even_with_a_digit_merge(tmp_path: Path) -> None:
     assert ours_12.token_to_id("12") not in ids
 
 
-def test_vocabulary_is_trained_and_ids_follow_qwen3_layout(ours: Qwen3Tokenizer, hf) -> None:
+def test_vocabulary_is_trained_and_ids_follow_qwen3_layout(ours: ChatTokenizer, hf) -> None:
     vocab = json.loads((ASSET / "vocab.json").read_text(encoding="utf-8"))
     assert 900 <= len(vocab) <= 1024
     # Merges were learnt: common text is much shorter in tokens than in bytes.
@@ -113,31 +112,31 @@ def test_vocabulary_is_trained_and_ids_follow_qwen3_layout(ours: Qwen3Tokenizer,
 
 
 @pytest.mark.parametrize("text", [t for t in TEXTS if "e\u0301" not in t])
-def test_round_trip(ours: Qwen3Tokenizer, hf, text: str) -> None:
+def test_round_trip(ours: ChatTokenizer, hf, text: str) -> None:
     ids = ours.encode(text)
     assert ours.decode(ids, skip_special_tokens=False) == text
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
-def test_non_nfc_text_is_normalised_like_transformers(ours: Qwen3Tokenizer, hf) -> None:
+def test_non_nfc_text_is_normalised_like_transformers(ours: ChatTokenizer, hf) -> None:
     ids = ours.encode("e\u0301")
     assert ours.decode(ids) == "\u00e9" == hf.decode(hf.encode("e\u0301"))
 
 
-def test_skip_special_tokens_keeps_think_and_tool_tags(ours: Qwen3Tokenizer) -> None:
+def test_skip_special_tokens_keeps_think_and_tool_tags(ours: ChatTokenizer) -> None:
     ids = ours.encode(
         "<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>\n</tool_call><|im_end|>"
     )
     assert ours.decode(ids) == "assistant\n<think>\nx\n</think>\n\n<tool_call>\n</tool_call>"
 
 
-def test_batch_apis_match_single_calls(ours: Qwen3Tokenizer) -> None:
+def test_batch_apis_match_single_calls(ours: ChatTokenizer) -> None:
     batch = ours.encode_batch(TEXTS)
     assert batch == [ours.encode(t) for t in TEXTS]
     assert ours.decode_batch(batch) == [ours.decode(ids) for ids in batch]
 
 
-def test_encode_add_eos_and_decode_bad_id(ours: Qwen3Tokenizer) -> None:
+def test_encode_add_eos_and_decode_bad_id(ours: ChatTokenizer) -> None:
     assert ours.encode("hi", add_bos=True, add_eos=True) == ours.encode("hi") + [ours.eos_id]
     with pytest.raises(ValueError, match=f"token id {ours.vocab_size} is outside"):
         ours.decode([1, ours.vocab_size])
@@ -238,14 +237,11 @@ RENDER_OPTIONS = [
 
 
 def _hf_apply(hf, messages, strip_thinking: bool = True, **options):
-    # strip_thinking=False is defined as "every assistant turn counts as after the last query";
-    # in the official template that is exactly replacing the position test by `true`.
-    template = QWEN3_CHAT_TEMPLATE
-    if not strip_thinking:
-        assert template.count("loop.index0 > ns.last_query_index") == 1
-        template = template.replace("loop.index0 > ns.last_query_index", "true")
-    text = hf.apply_chat_template(messages, tokenize=False, chat_template=template, **options)
-    ids = hf.apply_chat_template(messages, tokenize=True, chat_template=template, **options)
+    # The project's Qwen3 template reads strip_thinking (see composer_tune/data/qwen3_chat_template.py).
+    text = hf.apply_chat_template(
+        messages, tokenize=False, strip_thinking=strip_thinking, **options
+    )
+    ids = hf.apply_chat_template(messages, tokenize=True, strip_thinking=strip_thinking, **options)
     return text, ids["input_ids"]
 
 
@@ -275,7 +271,7 @@ def test_strip_thinking_option_changes_history_only(ours) -> None:
     assert kept.endswith("<think>\n\n</think>\n\nthird answer<|im_end|>\n")
 
 
-def _masked_runs(tokenizer: Qwen3Tokenizer, ids: list[int], loss_mask: list[bool]) -> list[str]:
+def _masked_runs(tokenizer: ChatTokenizer, ids: list[int], loss_mask: list[bool]) -> list[str]:
     runs, current = [], []
     for token_id, keep in zip(ids, loss_mask, strict=True):
         if keep:
@@ -363,9 +359,9 @@ def test_loss_mask_starts_where_the_generation_prompt_ends(ours, name, enable_th
 
 
 def test_call_uses_torchtune_mask_convention_and_truncates() -> None:
-    tokenizer = qwen3_tokenizer(str(ASSET), max_seq_len=12)
+    tokenizer = from_pretrained(str(ASSET), max_seq_len=12)
     sample = {"messages": CHATS["plain"], "id": 7}
-    full_ids, full_mask = Qwen3Tokenizer.from_dir(ASSET).tokenize_messages(CHATS["plain"])
+    full_ids, full_mask = ChatTokenizer.from_dir(ASSET).tokenize_messages(CHATS["plain"])
     out = tokenizer(sample)
     assert out["id"] == 7
     assert out["tokens"] == full_ids[:12]
@@ -381,13 +377,13 @@ def test_yaml_builder_instantiates() -> None:
 
     cfg = OmegaConf.create(
         {
-            "_component_": "composer_tune.data.tokenizer.qwen3_tokenizer",
+            "_component_": "composer_tune.data.tokenizer.from_pretrained",
             "path": str(ASSET),
             "max_seq_len": 64,
         }
     )
     tokenizer = config.instantiate(cfg)
-    assert isinstance(tokenizer, Qwen3Tokenizer) and tokenizer.max_seq_len == 64
+    assert isinstance(tokenizer, ChatTokenizer) and tokenizer.max_seq_len == 64
 
 
 @pytest.mark.parametrize(
@@ -425,9 +421,9 @@ def test_yaml_builder_instantiates() -> None:
         ),
     ],
 )
-def test_bad_messages_name_the_culprit(messages, error, match) -> None:
+def test_bad_messages_name_the_culprit(ours, messages, error, match) -> None:
     with pytest.raises(error, match=match):
-        render_chat(messages)
+        ours.render(messages)
 
 
 def _copy_asset(tmp_path: Path) -> Path:
@@ -438,18 +434,18 @@ def _copy_asset(tmp_path: Path) -> Path:
 
 def test_missing_files_are_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer directory not found"):
-        Qwen3Tokenizer.from_dir(tmp_path / "nope")
+        ChatTokenizer.from_dir(tmp_path / "nope")
     for name in ("vocab.json", "merges.txt"):
         target = _copy_asset(tmp_path / name)
         (target / name).unlink()
         with pytest.raises(FileNotFoundError, match=name):
-            Qwen3Tokenizer.from_dir(target)
+            ChatTokenizer.from_dir(target)
 
 
 def test_without_config_qwen3_tokens_follow_the_vocab(ours, tmp_path: Path) -> None:
     target = _copy_asset(tmp_path)
     (target / "tokenizer_config.json").unlink()
-    bare = Qwen3Tokenizer.from_dir(target)
+    bare = ChatTokenizer.from_dir(target)
     assert bare.special_tokens == ours.special_tokens
     assert bare.encode(TEXTS[9]) == ours.encode(TEXTS[9])
 
@@ -469,8 +465,13 @@ def test_without_config_qwen3_tokens_follow_the_vocab(ours, tmp_path: Path) -> N
         ),
         (
             "tokenizer_config.json",
-            lambda s: s.replace('"content": "<think>"', '"content": "<thinking>"'),
-            r"lacks the Qwen3 tokens \['<think>'\]",
+            lambda s: s.replace('"pad_token": "<|endoftext|>"', '"pad_token": "<|pad|>"'),
+            r"tokenizer_config\.json: pad_token '<\|pad\|>' is not in the vocabulary",
+        ),
+        (
+            "generation_config.json",
+            lambda s: s.replace("[", '["x", '),
+            r"generation_config\.json: eos_token_id must be an int or a list of ints",
         ),
     ],
 )
@@ -481,13 +482,13 @@ def test_malformed_files_are_reported(tmp_path: Path, file: str, edit, match: st
     assert edited != path.read_text(encoding="utf-8")
     path.write_text(edited, encoding="utf-8")
     with pytest.raises(ValueError, match=match):
-        Qwen3Tokenizer.from_dir(target)
+        ChatTokenizer.from_dir(target)
 
 
 def test_committed_asset_is_what_the_tool_generates(tmp_path: Path) -> None:
     tool = _load_tool()
     assert tool.main(["--output-dir", str(tmp_path), "--vocab-size", "1024"]) == 0
-    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / name).read_bytes() == (ASSET / name).read_bytes(), name
 
 
@@ -504,7 +505,7 @@ def test_tool_trains_on_jsonl_and_transformers_loads_it(tmp_path: Path) -> None:
     vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
     assert "Ġzyzzyva" in vocab and "Ġquokka" in vocab and "ignored" not in vocab
     assert len(vocab) <= 300
-    ours_small = Qwen3Tokenizer.from_dir(out)
+    ours_small = ChatTokenizer.from_dir(out)
     hf_small = AutoTokenizer.from_pretrained(str(out))
     text = "zyzzyva quokka 🙂 <|im_end|>"
     assert ours_small.encode(text) == hf_small.encode(text, add_special_tokens=False)

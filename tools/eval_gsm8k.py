@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/eval_gsm8k.py` from anywhere
 from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR  # noqa: E402
 from composer_tune.data.gsm8k import GSM8K  # noqa: E402
-from composer_tune.data.tokenizer import Qwen3Tokenizer  # noqa: E402
+from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
 from composer_tune.evaluation import encode_prompts  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
 from composer_tune.rewards.answer import extract_answer, final_response  # noqa: E402
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_tokenizer(checkpoint: Path, tokenizer_dir: str | None) -> Qwen3Tokenizer:
+def load_tokenizer(checkpoint: Path, tokenizer_dir: str | None) -> ChatTokenizer:
     """The tokenizer of ``--tokenizer``, else the one saved with the checkpoint.
 
     Raises:
@@ -100,7 +100,7 @@ def load_tokenizer(checkpoint: Path, tokenizer_dir: str | None) -> Qwen3Tokenize
     if missing:
         hint = "" if tokenizer_dir is not None else "; pass --tokenizer DIR"
         raise FileNotFoundError(f"no tokenizer in {directory} ({', '.join(missing)} missing){hint}")
-    return Qwen3Tokenizer.from_dir(directory)
+    return ChatTokenizer.from_dir(directory)
 
 
 def select_problems(dataset: GSM8K, offset: int, limit: int | None) -> list[dict[str, Any]]:
@@ -116,7 +116,7 @@ def select_problems(dataset: GSM8K, offset: int, limit: int | None) -> list[dict
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    tokenizer: Qwen3Tokenizer,
+    tokenizer: ChatTokenizer,
     samples: list[dict[str, Any]],
     *,
     batch_size: int,

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Train a small Qwen3-style byte-level BPE tokenizer and write it in Hugging Face format.
 
-The output directory holds ``vocab.json``, ``merges.txt`` and ``tokenizer_config.json`` (Qwen3's
+The output directory holds ``vocab.json``, ``merges.txt``, ``generation_config.json`` and ``tokenizer_config.json`` (Qwen3's
 added tokens appended after the vocabulary, in Qwen3's order and with its flags, plus Qwen3's
 chat template), the same files a Qwen3 checkpoint ships, so both
-``composer_tune.data.tokenizer.Qwen3Tokenizer.from_dir`` and
+``composer_tune.data.tokenizer.ChatTokenizer.from_dir`` and
 ``transformers.AutoTokenizer.from_pretrained`` load it. Pre-tokenisation is Qwen's (shared with
-``Qwen3Tokenizer``), so the merges learnt here are the ones the tokenizer applies.
+``ChatTokenizer``), so the merges learnt here are the ones the tokenizer applies.
 
 Corpus: the given ``.txt`` files (one document per line) and ``.jsonl`` files (every string in
 each row, or only the ``--jsonl-field`` keys), plus, unless ``--no-builtin``, a seeded synthetic
@@ -34,7 +34,7 @@ from tokenizers.trainers import BpeTrainer
 # Runnable as a script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from composer_tune.data.chat import QWEN3_CHAT_TEMPLATE  # noqa: E402
+from composer_tune.data.qwen3_chat_template import QWEN3_CHAT_TEMPLATE  # noqa: E402
 from composer_tune.data.tokenizer import (  # noqa: E402
     ENDOFTEXT,
     IM_END,
@@ -166,7 +166,7 @@ def train(
     min_frequency: int = 2,
     model_max_length: int = 32768,
 ) -> int:
-    """Train the BPE on ``texts``, write the three files, return the BPE vocabulary size.
+    """Train the BPE on ``texts``, write the tokenizer files, return the BPE vocabulary size.
 
     ``vocab_size`` counts the 256 byte tokens and the merges, not the added tokens; a small
     corpus may stop short of it.
@@ -190,6 +190,13 @@ def train(
     config = tokenizer_config(trained_size, model_max_length)
     (output_dir / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    # As in Qwen3's checkpoints: generation ends at the end of a turn or of the text.
+    stop_ids = [
+        trained_size + [c for c, _ in QWEN3_ADDED_TOKENS].index(t) for t in (IM_END, ENDOFTEXT)
+    ]
+    (output_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": stop_ids}, indent=2) + "\n", encoding="utf-8"
     )
     return trained_size
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from composer_tune.data.tokenizer import ChatTokenizer
+
 # Architectures (GGUF ``general.architecture``) the project's decoder implements.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -123,30 +125,16 @@ def _convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     # save_pretrained refuses to write while the quantisation record is attached.
     del model.config.quantization_config
     model.hf_quantizer = None
-    end_of_turn = end_of_turn_token_id(tokenizer)
-    eos = [end_of_turn]
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id != end_of_turn:
-        eos.append(tokenizer.eos_token_id)
-    model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else eos
-    model.config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # EOS = where the chat template ends a turn (then the GGUF's own EOS), read back through the
+    # project's tokenizer exactly as training will read it.
+    stops = ChatTokenizer.from_dir(out_dir).stop_tokens
+    model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
+    model.generation_config.save_pretrained(out_dir)
     (out_dir / "import_source.json").write_text(
         json.dumps({"gguf": gguf_path.name, "dtype": str(dtype).removeprefix("torch.")}) + "\n"
     )
-
-
-def end_of_turn_token_id(tokenizer) -> int:  # noqa: ANN001 - a transformers tokenizer
-    """The special token the chat template writes right after an assistant message."""
-    marker = "@@composer_tune_end_of_turn@@"
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
-    rendered = tokenizer.apply_chat_template(chat, tokenize=False)
-    after = rendered.split(marker, 1)[1]
-    special = sorted(tokenizer.all_special_tokens + list(tokenizer.added_tokens_encoder), key=len)
-    positions = [(after.find(tok), tok) for tok in set(special) if tok and tok in after]
-    if not positions:
-        raise GGUFImportError("the chat template writes no special token after an assistant turn")
-    return tokenizer.convert_tokens_to_ids(min(positions)[1])
 
 
 def default_cache_dir() -> Path:

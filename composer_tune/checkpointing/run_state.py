@@ -43,7 +43,7 @@ from composer_tune.checkpointing.hf_checkpoint import (
     read_json,
     save_hf_checkpoint,
 )
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, barrier
 from composer_tune.models.decoder import DecoderArgs
 
@@ -230,21 +230,28 @@ def save_run_checkpoint(
 def _with_chat_token_ids(
     model_config: Any, tokenizer_dir: str | os.PathLike[str] | None
 ) -> tuple[Any, dict[str, Any] | None]:
-    """The HF config and generation config with the chat tokenizer's end and pad ids, so that
-    ``transformers``/vLLM stop at ``<|im_end|>`` (a run from random init has no source config)."""
+    """The HF config and generation config with the chat tokenizer's end-of-turn, pad and BOS
+    ids, so that ``transformers``/vLLM stop where the chat template ends a turn. A
+    ``config.json`` beside the tokenizer (the initial checkpoint's) supplies the other non-shape
+    keys; a run from random init has none."""
     if tokenizer_dir is None:
         return model_config, None
-    tokenizer = Qwen3Tokenizer.from_dir(tokenizer_dir)
+    tokenizer = ChatTokenizer.from_dir(tokenizer_dir)
+    source_config = Path(tokenizer_dir) / "config.json"
+    extra = read_json(source_config) if source_config.is_file() else {}
     token_ids = {
-        "bos_token_id": None,
+        "bos_token_id": tokenizer.bos_id
+        if tokenizer.bos_id is not None
+        else extra.get("bos_token_id"),
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
     }
-    args = model_config if isinstance(model_config, DecoderArgs) else None
-    if args is None:
+    if not isinstance(model_config, DecoderArgs):
         return {**dict(model_config), **token_ids}, None
-    generation = {**token_ids, "eos_token_id": list(tokenizer.stop_tokens)}
-    return hf_config_from_decoder_args(args, torch.float32, extra=token_ids), generation
+    generation = {**token_ids, "eos_token_id": tokenizer.stop_tokens}
+    return hf_config_from_decoder_args(
+        model_config, torch.float32, extra={**extra, **token_ids}
+    ), generation
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -7,7 +7,7 @@ of Cursor's published Composer recipe. Its pairs are mined by ``tools/build_pair
 scores, provenance, teachers}`` with OpenAI-format messages, tool-call arguments as JSON strings
 and the tool definitions as a JSON string.
 
-Rendering (Qwen3 chat template, ``Qwen3Tokenizer.tokenize_messages``):
+Rendering (Qwen3 chat template, ``ChatTokenizer.tokenize_messages``):
 
 * prompt = ``prompt_messages`` with ``tools`` and the generation prompt
   (``<|im_start|>assistant\\n``);
@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.dpo import completion_logps
 from composer_tune.rollout.generation import PackedBatch, pack_sequences
 
@@ -243,7 +243,7 @@ class PreferenceExample:
 
 def render_pair(
     row: Mapping[str, Any],
-    tokenizer: Qwen3Tokenizer,
+    tokenizer: ChatTokenizer,
     *,
     where: str = "<pair>",
     enable_thinking: bool = True,
@@ -296,7 +296,7 @@ class PreferenceDataset(Dataset):
     Args:
         source: pairs JSONL file, directory of them, or ``datasets`` name (see
             :func:`load_pair_rows`).
-        tokenizer: a ``Qwen3Tokenizer`` loaded without ``max_seq_len``.
+        tokenizer: a ``ChatTokenizer`` loaded without ``max_seq_len``.
         max_seq_len: longest prompt + completion row (see the module docstring for the
             truncation policy); None keeps everything.
         split: ``train`` (pairs not held out), ``heldout`` or ``all``.
@@ -312,7 +312,7 @@ class PreferenceDataset(Dataset):
     def __init__(
         self,
         source: str | Path,
-        tokenizer: Qwen3Tokenizer,
+        tokenizer: ChatTokenizer,
         *,
         max_seq_len: int | None = None,
         split: Split = "train",
@@ -350,7 +350,7 @@ class PreferenceDataset(Dataset):
         row: Mapping[str, Any],
         key: str,
         where: str,
-        tokenizer: Qwen3Tokenizer,
+        tokenizer: ChatTokenizer,
         max_seq_len: int | None,
         enable_thinking: bool,
     ) -> PreferenceExample | None:

@@ -1,16 +1,21 @@
-"""Qwen3 byte-level BPE tokenizer built from ``vocab.json`` + ``merges.txt``, with chat support.
+"""A checkpoint's own tokenizer and chat template: ``ChatTokenizer``.
 
-The files are the Qwen2/Qwen3 Hugging Face format: a byte-level BPE (GPT-2's byte-to-unicode
-mapping, so every byte sequence is encodable), split by Qwen's pre-tokenizer regex after NFC
-normalisation, plus the added tokens of ``tokenizer_config.json`` (``<|endoftext|>``,
-``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``<tool_call>``...). Encoding and decoding run in
-the Rust ``tokenizers`` library because RL recipes decode thousands of completions per step; this
-module only assembles the pipeline and owns the file parsing, so malformed files fail with the
-file and line at fault.
+Loaded from a Hugging Face checkpoint directory: ``tokenizer.json`` when present (any fast
+tokenizer: SmolLM2, Llama 3, Qwen ...), else the Qwen2/Qwen3 ``vocab.json`` + ``merges.txt``
+format (a byte-level BPE split by Qwen's pre-tokenizer regex after NFC normalisation, plus the
+added tokens of ``tokenizer_config.json``), whose files are parsed here so malformed ones fail
+with the file and line at fault. Encoding and decoding run in the Rust ``tokenizers`` library
+because RL recipes decode thousands of completions per step.
 
-``Qwen3Tokenizer`` follows torchtune's ``ModelTokenizer`` protocol where it makes sense
+Chat is rendered with the checkpoint's Jinja template (``tokenizer_config.json``'s
+``chat_template`` or ``chat_template.jinja``; see :mod:`composer_tune.data.chat_template`). The
+end of a turn, EOS and the stop tokens come from the checkpoint: the token the template writes
+after an assistant message, ``generation_config.json``'s ``eos_token_id`` and
+``tokenizer_config.json``'s ``eos_token``.
+
+``ChatTokenizer`` follows torchtune's ``ModelTokenizer`` protocol where it makes sense
 (``encode``, ``decode``, ``tokenize_messages``, ``max_seq_len``, ``special_tokens`` and a
-``__call__`` transform for torchtune's SFT datasets); ``qwen3_tokenizer`` is the YAML builder.
+``__call__`` transform for torchtune's SFT datasets); ``from_pretrained`` is the YAML builder.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from composer_tune.data.chat import render_chat
+from composer_tune.data.chat_template import ChatTemplate, ChatTemplateError
 
 # Qwen2/Qwen3's split: English contractions, letter runs with one optional leading non-letter,
 # single digits (so numbers are tokenised digit by digit), punctuation runs, newline runs and
@@ -67,8 +72,12 @@ QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 
 ENDOFTEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
-# Tokens every Qwen3 chat tokenizer must have; the chat format cannot be encoded without them.
-REQUIRED_TOKENS = (ENDOFTEXT, "<|im_start|>", IM_END, "<think>", "</think>")
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
+# tokenizer_config.json keys the chat template sees as variables, as transformers passes them.
+_TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 _ADDED_TOKEN_FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
 
@@ -76,7 +85,7 @@ _ADDED_TOKEN_FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
 def configure_qwen_pipeline(tokenizer: Tokenizer) -> None:
     """Give ``tokenizer`` Qwen2/Qwen3's normaliser, pre-tokeniser and decoder, in place.
 
-    Shared by ``Qwen3Tokenizer`` and ``tools/train_tokenizer.py`` so that a trained vocabulary
+    Shared by ``ChatTokenizer`` (for ``vocab.json`` + ``merges.txt``) and ``tools/train_tokenizer.py`` so that a trained vocabulary
     and the tokenizer that reads it split text identically.
     """
     tokenizer.normalizer = normalizers.NFC()
@@ -197,58 +206,177 @@ def load_added_tokens(
     return added
 
 
-class Qwen3Tokenizer:
-    """Qwen3 tokenizer: byte-level BPE + added tokens + the Qwen3 chat format.
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid UTF-8 JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return value
+
+
+def _token_string(config: Mapping[str, Any], key: str, path: Path) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string, an AddedToken dict, or None."""
+    value = config.get(key)
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}: {key} must be a token string, got {value!r}")
+    return value
+
+
+def _bpe_from_vocab_files(path: Path) -> Tokenizer:
+    """The Qwen2/Qwen3 byte-level BPE of ``vocab.json`` + ``merges.txt`` + added tokens."""
+    vocab = load_vocab(path / "vocab.json")
+    merges = load_merges(path / "merges.txt", vocab)
+    added_tokens = load_added_tokens(path / TOKENIZER_CONFIG, vocab)
+    full_vocab = dict(vocab)
+    for token_id, token in added_tokens:
+        full_vocab[token.content] = token_id
+    tokenizer = Tokenizer(BPE(vocab=full_vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    configure_qwen_pipeline(tokenizer)
+    # Added tokens already sit in the BPE vocabulary, so they keep their ids; registering them
+    # makes the encoder match them whole before BPE sees the text.
+    tokenizer.add_tokens([token for _, token in added_tokens])
+    return tokenizer
+
+
+def _chat_template_source(path: Path, config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The template text and its origin: ``chat_template.jinja``, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named templates of which ``default`` is used)."""
+    jinja_file = path / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    template = config.get("chat_template")
+    origin = f"{path / TOKENIZER_CONFIG}: chat_template"
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise ValueError(f"{origin} must be a string or a list of named templates")
+    return template, origin
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """``eos_token_id`` of ``generation_config.json`` (an int or a list), [] without the file."""
+    file = path / GENERATION_CONFIG
+    if not file.is_file():
+        return []
+    eos = _read_json_object(file).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+class ChatTokenizer:
+    """A checkpoint's tokenizer with its chat template, EOS, padding and stop tokens.
+
+    Build it with :meth:`from_dir` (or the YAML builder :func:`from_pretrained`).
 
     Args:
-        vocab: token -> id of the BPE vocabulary (``vocab.json``).
-        merges: BPE merges in priority order (``merges.txt``).
-        added_tokens: ``(id, AddedToken)`` pairs (``load_added_tokens``); must include
-            ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<think>`` and ``</think>``.
+        tokenizer: the ``tokenizers`` pipeline (added tokens registered).
+        chat_template: the compiled template; None if the checkpoint has none (chat methods
+            then raise).
+        eos_id: the id that ends an assistant turn, and so every generation.
+        pad_id: the padding id.
+        stop_tokens: every id that ends generation.
+        bos_id: the beginning-of-sequence id if the tokenizer adds one, else None.
         max_seq_len: if set, ``tokenize_messages`` truncates to this many tokens.
         source: where the files came from, used in error messages.
     """
 
     def __init__(
         self,
-        vocab: Mapping[str, int],
-        merges: Sequence[tuple[str, str]],
-        added_tokens: Sequence[tuple[int, AddedToken]],
+        tokenizer: Tokenizer,
+        *,
+        chat_template: ChatTemplate | None,
+        eos_id: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        bos_id: int | None = None,
         max_seq_len: int | None = None,
         source: str = "<memory>",
     ) -> None:
         if max_seq_len is not None and max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len}")
-        full_vocab = dict(vocab)
-        for token_id, token in added_tokens:
-            full_vocab[token.content] = token_id
-        missing = [token for token in REQUIRED_TOKENS if token not in full_vocab]
-        if missing:
-            raise ValueError(f"{source}: tokenizer lacks the Qwen3 tokens {missing}")
-        self._tokenizer = Tokenizer(
-            BPE(vocab=full_vocab, merges=list(merges), fuse_unk=False, byte_fallback=False)
-        )
-        configure_qwen_pipeline(self._tokenizer)
-        # Added tokens already sit in the BPE vocabulary, so they keep their ids; registering
-        # them makes the encoder match them whole before BPE sees the text.
-        self._tokenizer.add_tokens([token for _, token in added_tokens])
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
         self.max_seq_len = max_seq_len
         self.source = source
         self.special_tokens: dict[str, int] = {
-            token.content: token_id for token_id, token in added_tokens
+            token.content: token_id
+            for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
         }
-        self._vocab_size = max(full_vocab.values()) + 1
+        self._vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        self._eos_id, self._pad_id, self._bos_id = eos_id, pad_id, bos_id
+        self._stop_tokens = list(dict.fromkeys(stop_tokens))
+        for name, token_id in [
+            ("eos", eos_id),
+            ("pad", pad_id),
+            *(("stop", t) for t in stop_tokens),
+        ]:
+            if not 0 <= token_id < self._vocab_size:
+                raise ValueError(f"{source}: {name} token id {token_id} is not in the vocabulary")
 
     @classmethod
-    def from_dir(cls, path: str | Path, max_seq_len: int | None = None) -> Qwen3Tokenizer:
-        """Load ``vocab.json``, ``merges.txt`` and (if present) ``tokenizer_config.json``."""
+    def from_dir(cls, path: str | Path, max_seq_len: int | None = None) -> ChatTokenizer:
+        """Load the tokenizer files of a Hugging Face checkpoint directory (see module doc)."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        vocab = load_vocab(path / "vocab.json")
-        merges = load_merges(path / "merges.txt", vocab)
-        added = load_added_tokens(path / "tokenizer_config.json", vocab)
-        return cls(vocab, merges, added, max_seq_len=max_seq_len, source=str(path))
+        config_path = path / TOKENIZER_CONFIG
+        config = _read_json_object(config_path) if config_path.is_file() else {}
+        if (path / TOKENIZER_FILE).is_file():
+            try:
+                tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+            except Exception as err:  # the Rust library raises a bare Exception
+                raise ValueError(f"{path / TOKENIZER_FILE}: cannot be read: {err}") from err
+        else:
+            tokenizer = _bpe_from_vocab_files(path)
+
+        def token_id(token: str | None, what: str) -> int | None:
+            if token is None:
+                return None
+            found = tokenizer.token_to_id(token)
+            if found is None:
+                raise ValueError(f"{config_path}: {what} {token!r} is not in the vocabulary")
+            return found
+
+        tokens = {key: _token_string(config, key, config_path) for key in _TEMPLATE_TOKEN_KEYS}
+        template_source = _chat_template_source(path, config)
+        template = None
+        if template_source is not None:
+            added = [t.content for _, t in sorted(tokenizer.get_added_tokens_decoder().items())]
+            template = ChatTemplate(
+                template_source[0],
+                origin=template_source[1],
+                special_tokens={k: v for k, v in tokens.items() if v is not None},
+                candidate_tokens=added,
+            )
+        end_of_turn = token_id(template.end_of_turn if template else None, "end-of-turn token")
+        config_eos = token_id(tokens["eos_token"], "eos_token")
+        generation_eos = _generation_eos_ids(path)
+        stops = [t for t in (end_of_turn, *generation_eos, config_eos) if t is not None]
+        if not stops:
+            raise ValueError(
+                f"{path}: no end-of-sequence token (no chat template end of turn, "
+                f"{GENERATION_CONFIG} eos_token_id or {TOKENIZER_CONFIG} eos_token)"
+            )
+        bos = token_id(tokens["bos_token"], "bos_token") if config.get("add_bos_token") else None
+        return cls(
+            tokenizer,
+            chat_template=template,
+            eos_id=stops[0],
+            pad_id=token_id(tokens["pad_token"], "pad_token") or stops[0],
+            stop_tokens=stops,
+            bos_id=bos,
+            max_seq_len=max_seq_len,
+            source=str(path),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -257,23 +385,24 @@ class Qwen3Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        """``<|im_end|>``: a chat turn, and so every generation, ends with it."""
-        return self.special_tokens[IM_END]
+        """The end of an assistant turn (``<|im_end|>`` for ChatML): every generation ends
+        with it."""
+        return self._eos_id
 
     @property
     def pad_id(self) -> int:
-        """``<|endoftext|>``, Qwen3's padding token."""
-        return self.special_tokens[ENDOFTEXT]
+        """``tokenizer_config.json``'s ``pad_token``, else the EOS id."""
+        return self._pad_id
 
     @property
-    def bos_id(self) -> None:
-        """Qwen3 has no beginning-of-sequence token."""
-        return None
+    def bos_id(self) -> int | None:
+        """The BOS id when the tokenizer config adds one (``add_bos_token``), else None."""
+        return self._bos_id
 
     @property
     def stop_tokens(self) -> list[int]:
-        """Ids that end generation: ``<|im_end|>`` and ``<|endoftext|>``."""
-        return [self.eos_id, self.pad_id]
+        """Ids that end generation: the end of turn, then the checkpoint's other EOS ids."""
+        return list(self._stop_tokens)
 
     def token_to_id(self, token: str) -> int:
         """Id of one vocabulary or added token; KeyError naming the token if absent."""
@@ -285,10 +414,12 @@ class Qwen3Tokenizer:
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids of ``text``; added tokens written in the text are matched as single ids.
 
-        ``add_bos`` exists for torchtune's protocol and adds nothing (Qwen3 has no BOS);
-        ``add_eos`` appends ``<|im_end|>``.
+        ``add_bos`` prepends the BOS id if the tokenizer has one; ``add_eos`` appends
+        :attr:`eos_id`.
         """
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if add_bos and self._bos_id is not None:
+            ids = [self._bos_id, *ids]
         return ids + [self.eos_id] if add_eos else ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -311,7 +442,8 @@ class Qwen3Tokenizer:
         """Text of ``token_ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD.
 
         ``skip_special_tokens`` drops the tokens flagged special (``<|im_end|>``...) but keeps
-        ``<think>``/``<tool_call>`` and the like, which Qwen3 flags as ordinary added tokens.
+        added tokens not flagged special (Qwen3's ``<think>``/``<tool_call>``), which are part
+        of the model's visible output.
         """
         return self._tokenizer.decode(
             self._check_ids(token_ids), skip_special_tokens=skip_special_tokens
@@ -325,6 +457,11 @@ class Qwen3Tokenizer:
             [self._check_ids(ids) for ids in sequences], skip_special_tokens=skip_special_tokens
         )
 
+    def _template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.source}: the checkpoint has no chat template")
+        return self.chat_template
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -334,14 +471,19 @@ class Qwen3Tokenizer:
         strip_thinking: bool = True,
         enable_thinking: bool = True,
     ) -> str:
-        """The Qwen3 chat text of ``messages`` (see ``composer_tune.data.chat.render_chat``)."""
-        return render_chat(
+        """The chat text of ``messages``, by the checkpoint's template.
+
+        ``strip_thinking`` (False keeps the reasoning of assistant turns before the last user
+        query) and ``enable_thinking`` (False asks Qwen3 for an answer without reasoning) are
+        template variables; a template without such a switch refuses a non-default value.
+        """
+        return self._template().render(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             strip_thinking=strip_thinking,
             enable_thinking=enable_thinking,
-        ).text
+        )
 
     def tokenize_messages(
         self,
@@ -354,34 +496,34 @@ class Qwen3Tokenizer:
     ) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered chat and a loss mask, truncated to ``max_seq_len``.
 
-        ``loss_mask[i]`` is True exactly when token ``i`` lies in an assistant turn's generated
-        text (reasoning, content, tool calls and the closing ``<|im_end|>``), so SFT trains only
-        on what the model must produce. NOTE: this is the inverse of torchtune's ``mask``
-        convention (True = ignore); ``__call__`` returns the torchtune form.
+        ``loss_mask[i]`` is True exactly when token ``i`` lies in text an assistant turn
+        generated (reasoning, content, tool calls and the closing end-of-turn token; see
+        :meth:`ChatTemplate.assistant_spans`), so SFT trains only on what the model must
+        produce. NOTE: this is the inverse of torchtune's ``mask`` convention (True = ignore);
+        ``__call__`` returns the torchtune form.
 
         The whole text is encoded at once, so ids equal those of the chat template applied by
         ``transformers``; the mask comes from token character offsets. A token straddling a span
-        edge (only possible when assistant content starts with whitespace that merges with the
+        edge (possible when assistant content starts with whitespace that merges with the
         preceding newline) counts as prompt.
         """
-        rendered = render_chat(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            strip_thinking=strip_thinking,
-            enable_thinking=enable_thinking,
+        switches = {"strip_thinking": strip_thinking, "enable_thinking": enable_thinking}
+        template = self._template()
+        text = template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **switches
         )
-        encoding = self._tokenizer.encode(rendered.text, add_special_tokens=False)
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
         loss_mask = [False] * len(encoding.ids)
-        spans = rendered.assistant_spans
-        span_index = 0
-        for token_index, (start, end) in enumerate(encoding.offsets):
-            while span_index < len(spans) and spans[span_index][1] <= start:
-                span_index += 1
-            if span_index == len(spans):
-                break
-            span_start, span_end = spans[span_index]
-            loss_mask[token_index] = span_start <= start and end <= span_end
+        if any(message["role"] == "assistant" for message in messages):
+            spans = template.assistant_spans(messages, text, tools=tools, **switches)
+            span_index = 0
+            for token_index, (start, end) in enumerate(encoding.offsets):
+                while span_index < len(spans) and spans[span_index][1] <= start:
+                    span_index += 1
+                if span_index == len(spans):
+                    break
+                span_start, span_end = spans[span_index]
+                loss_mask[token_index] = span_start <= start and end <= span_end
         ids = encoding.ids
         if self.max_seq_len is not None:
             ids, loss_mask = ids[: self.max_seq_len], loss_mask[: self.max_seq_len]
@@ -400,6 +542,7 @@ class Qwen3Tokenizer:
         return {**sample, "tokens": tokens, "mask": [not keep for keep in loss_mask]}
 
 
-def qwen3_tokenizer(path: str, max_seq_len: int | None = None) -> Qwen3Tokenizer:
-    """YAML builder (``_component_: composer_tune.data.tokenizer.qwen3_tokenizer``)."""
-    return Qwen3Tokenizer.from_dir(path, max_seq_len=max_seq_len)
+def from_pretrained(path: str, max_seq_len: int | None = None) -> ChatTokenizer:
+    """YAML builder (``_component_: composer_tune.data.tokenizer.from_pretrained``): the
+    tokenizer of a Hugging Face checkpoint directory (or a tokenizer-only directory)."""
+    return ChatTokenizer.from_dir(path, max_seq_len=max_seq_len)

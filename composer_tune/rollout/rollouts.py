@@ -224,7 +224,7 @@ def collect_rollouts(
 
     Args:
         policy: the current policy (also the sampling policy).
-        tokenizer: a :class:`~composer_tune.data.tokenizer.Qwen3Tokenizer`-like object
+        tokenizer: a :class:`~composer_tune.data.tokenizer.ChatTokenizer`-like object
             (``tokenize_messages``, ``decode``, ``pad_id``, ``stop_tokens``).
         samples: dataset samples with a chat ``prompt`` and whatever the reward reads.
         reward: scores the decoded completions against their samples.

@@ -55,8 +55,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_tune.data.chat import THINK_END, THINK_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
-from composer_tune.data.tokenizer import Qwen3Tokenizer
+from composer_tune.data.qwen3_chat_template import (
+    THINK_END,
+    THINK_START,
+    TOOL_RESPONSE_END,
+    TOOL_RESPONSE_START,
+)
+from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.rewards.base import RewardResult
 
 HINT_SOURCES = ("feedback", "sibling", "reference")
@@ -330,7 +335,7 @@ def insert_hint(
 
 
 def build_teacher_batch(
-    tokenizer: Qwen3Tokenizer,
+    tokenizer: ChatTokenizer,
     config: TeacherContextConfig,
     *,
     samples: Sequence[Mapping[str, Any]],
@@ -456,7 +461,7 @@ def prediction_positions(
 
 
 def _teacher_prompt(
-    tokenizer: Qwen3Tokenizer,
+    tokenizer: ChatTokenizer,
     config: TeacherContextConfig,
     sample: Mapping[str, Any],
     row: int,
