@@ -70,21 +70,35 @@ def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == ["model.gguf"]
 
 
-def test_unsupported_architecture_is_rejected_before_loading(tmp_path: Path) -> None:
+def _write_tiny_gguf(path: Path, architecture: str, chat_template: str | None) -> None:
     from gguf import GGUFWriter
 
-    path = tmp_path / "mamba.gguf"
-    writer = GGUFWriter(str(path), "mamba")
+    writer = GGUFWriter(str(path), architecture)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(
-        GGUFImportError, match=r"mamba\.gguf: architecture 'mamba' is not supported"
-    ):
+
+
+@pytest.mark.parametrize(
+    ("architecture", "chat_template", "error"),
+    [
+        ("mamba", "{{ messages }}", r"tiny\.gguf: architecture 'mamba' is not supported"),
+        ("gpt2", "{{ messages }}", r"tiny\.gguf: architecture 'gpt2' is not supported"),
+        ("llama", None, r"tiny\.gguf: GGUF header has no 'tokenizer\.chat_template'"),
+    ],
+)
+def test_unusable_header_is_rejected_before_loading(
+    tmp_path: Path, architecture: str, chat_template: str | None, error: str
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, architecture, chat_template)
+    with pytest.raises(GGUFImportError, match=error):
         import_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path) == ["tiny.gguf"]
 
 
 def test_failed_conversion_leaves_no_partial_directory(
@@ -100,6 +114,24 @@ def test_failed_conversion_leaves_no_partial_directory(
     assert _leftovers(tmp_path) == []
 
 
+def test_force_replaces_an_existing_output_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def converted(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
+        (out_dir / "config.json").write_text("{}")
+
+    out = tmp_path / "smollm2"
+    out.mkdir()
+    (out / "stale.txt").write_text("old import")
+    monkeypatch.setattr(gguf_import, "_convert", converted)
+    with pytest.raises(GGUFImportError, match="exists and is not empty"):
+        import_gguf(smollm2_gguf_path(), out)
+    assert _leftovers(out) == ["stale.txt"]
+    import_gguf(smollm2_gguf_path(), out, force=True)
+    assert _leftovers(out) == ["config.json"]
+    assert _leftovers(tmp_path) == ["smollm2"]
+
+
 def _import_tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "tools/import_gguf.py", *args],
@@ -110,18 +142,14 @@ def _import_tool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_keeps_an_existing_output_and_names_a_missing_file(tmp_path: Path) -> None:
-    out = tmp_path / "smollm2"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    refused = _import_tool("smollm2", str(out))
-    assert refused.returncode == 1
-    assert "exists and is not empty" in refused.stderr
-    assert "Traceback" not in refused.stderr
-    assert _leftovers(out) == ["keep.txt"]
+def test_cli_help_and_errors(tmp_path: Path) -> None:
+    usage = _import_tool("--help")
+    assert usage.returncode == 0
+    assert "--dtype {fp32,bf16}" in usage.stdout
     missing = _import_tool(str(tmp_path / "absent.gguf"), str(tmp_path / "out"))
     assert missing.returncode == 1
     assert "absent.gguf: no such file" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_cache_reuses_a_complete_import(tmp_path: Path, smollm2_dir: Path, monkeypatch) -> None:

@@ -18,10 +18,16 @@ from composer_tune.checkpointing.gguf_import import GGUFImportError, import_gguf
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("gguf", help="path to a .gguf file, or 'smollm2' for the bundled model")
     parser.add_argument("out_dir", help="output directory (must not exist or be empty)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="weights' dtype (default fp32)"
+    )
     parser.add_argument("--force", action="store_true", help="replace a non-empty out_dir")
     args = parser.parse_args(argv)
     start = time.perf_counter()

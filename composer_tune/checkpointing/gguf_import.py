@@ -17,7 +17,7 @@ import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -58,9 +58,14 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def gguf_architecture(path: str | os.PathLike[str]) -> str:
-    """``general.architecture`` of a GGUF file; reading the header also checks every tensor's
-    extent against the file size, so a truncated file fails here."""
+def check_gguf_header(path: str | os.PathLike[str]) -> str:
+    """Read a GGUF file's header and return its ``general.architecture``.
+
+    Raises :class:`GGUFImportError` naming the file when it is not a readable GGUF file (the
+    reader maps every tensor against the file size, so truncated data fails here), when the
+    architecture is not one the project's decoder implements, or when the file carries no chat
+    template (the project renders chat and picks its stop token with the checkpoint's own).
+    """
     from gguf import GGUFReader
 
     path = Path(path)
@@ -73,7 +78,15 @@ def gguf_architecture(path: str | os.PathLike[str]) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise GGUFImportError(f"{path}: GGUF header has no 'general.architecture'")
-    return bytes(field.parts[field.data[0]]).decode()
+    architecture = field.contents()
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise GGUFImportError(
+            f"{path}: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if "tokenizer.chat_template" not in reader.fields:
+        raise GGUFImportError(f"{path}: GGUF header has no 'tokenizer.chat_template'")
+    return architecture
 
 
 def import_gguf(
@@ -94,24 +107,29 @@ def import_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in _DTYPES:
         raise GGUFImportError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise GGUFImportError(f"{out_dir} exists and is not a directory")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise GGUFImportError(f"{out_dir} exists and is not empty (pass force to replace it)")
-    architecture = gguf_architecture(gguf_path)
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise GGUFImportError(
-            f"{gguf_path}: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    check_gguf_header(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    # A hidden sibling (same file system, so the final rename is atomic); mkdir, unlike
+    # tempfile.mkdtemp's 0700, gives the checkpoint the umask's usual permissions.
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex}"
+    staging.mkdir()
+    # The directory being replaced is moved aside, and put back if the new one fails to land.
+    replaced = staging.with_name(staging.name + ".replaced")
     try:
         _convert(gguf_path, staging, _DTYPES[dtype])
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            os.replace(out_dir, replaced)
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if replaced.exists() and not out_dir.exists():
+            os.replace(replaced, out_dir)
         raise
+    shutil.rmtree(replaced, ignore_errors=True)
     return out_dir
 
 
