@@ -262,6 +262,7 @@ class ComposerFullRecipe:
             seed=cfg.seed,  # identical on every rank (and replica)
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+            autocast=cfg.autocast,
         )
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:

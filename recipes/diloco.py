@@ -350,6 +350,7 @@ class DiLoCoRecipe:
             seed=cfg.seed,  # identical on every rank (and replica)
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+            autocast=cfg.autocast,
         )
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:

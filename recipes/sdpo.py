@@ -265,6 +265,7 @@ class SDPORecipe:
             seed=None,  # random init follows the training.set_seed calls
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+            autocast=cfg.autocast,
         )
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:

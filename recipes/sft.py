@@ -48,6 +48,7 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
+from composer_tune.model_setup import enable_autocast
 
 
 @dataclass
@@ -96,6 +97,7 @@ class SFTRecipe:
         checkpoint = resume_path or cfg.checkpoint.initial_checkpoint
         self.metric_logger = self._setup_metric_logger(cfg)
         self.model = self._setup_model(cfg, checkpoint)
+        enable_autocast(self.model, cfg.autocast, self.dist.device)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = (
             config.instantiate(cfg.lr_scheduler, self.optimizer, num_training_steps=cfg.max_steps)

@@ -245,10 +245,12 @@ def sample_next_token(
 
 
 def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    """Device and floating dtype of the model's parameters (where and how to build caches)."""
+    """Device and compute dtype of the model (where and how to build caches): its parameters'
+    floating dtype, or the autocast dtype :func:`~composer_tune.model_setup.enable_autocast`
+    recorded (its keys and values are computed in that dtype)."""
     for param in model.parameters():
         if param.is_floating_point():
-            return param.device, param.dtype
+            return param.device, getattr(model, "autocast_dtype", param.dtype)
     raise ValueError("model has no floating-point parameters to infer the cache dtype from")
 
 
