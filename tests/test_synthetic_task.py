@@ -255,3 +255,29 @@ def test_demonstration_knobs_reject_bad_values(kwargs: dict, message: str | None
         return
     with pytest.raises(ValueError, match=message):
         SyntheticArithmetic("train", 4, **kwargs)
+
+
+def test_word_style_poses_the_same_problems_in_words() -> None:
+    kwargs = {"operations": ("add", "sub", "mul"), "min_digits": 1, "max_digits": 2}
+    symbolic = SyntheticArithmetic("heldout", 60, seed=3, **kwargs)
+    words = SyntheticArithmetic(
+        "heldout", 60, seed=3, style="word", instruction="Answer with just the number.", **kwargs
+    )
+    wordings = set()
+    for index in range(60):
+        problem, sample = words.problem(index), words[index]
+        assert problem == symbolic.problem(index)  # the style never changes the problem
+        question = sample["prompt"][-1]["content"]
+        assert question.endswith("? Answer with just the number.")
+        assert [int(n) for n in re.findall(r"\d+", question)] in (
+            [problem.a, problem.b],
+            [problem.b, problem.a],
+        )
+        assert sample["answer"] == str(problem.result) == symbolic[index]["answer"]
+        wordings.add(question.split(" ")[0])
+    assert len(wordings) > 3  # names and templates vary
+
+
+def test_unknown_style_is_named() -> None:
+    with pytest.raises(ValueError, match="style must be 'symbolic' or 'word', got 'prose'"):
+        SyntheticArithmetic("train", 1, style="prose")

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 Operation = Literal["add", "sub", "mul"]
 Split = Literal["train", "heldout"]
+Style = Literal["symbolic", "word"]
 
 _SYMBOLS: dict[str, str] = {"add": "+", "sub": "-", "mul": "*"}
 # Multiplication is by one digit; 0 and 1 would make trivial problems.
@@ -46,6 +47,24 @@ DEFAULT_HINT_TEMPLATES: tuple[str, ...] = (
     "Your final answer {wrong} is wrong. The correct answer is {answer}.",
     "Correct solution:\n\n{answer}",
 )
+# style="word": everyday wordings per operation, for instruct models. ``{a}``/``{b}`` are the
+# operands (``b`` is the one-digit factor of "mul"); the name and the item vary by sample.
+WORD_PROBLEM_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "add": (
+        "{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+        "There are {a} {item} in a box. {name} puts in {b} more. How many {item} are in the box?",
+    ),
+    "sub": (
+        "{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?",
+        "A shelf holds {a} {item}. {name} takes {b} of them. How many {item} are left on the shelf?",
+    ),
+    "mul": (
+        "{name} buys {b} bags with {a} {item} in each bag. How many {item} does {name} buy?",
+        "Each of {b} boxes holds {a} {item}. How many {item} are there in all the boxes?",
+    ),
+}
+_NAMES = ("Tom", "Anna", "Lena", "Omar", "Priya", "Ben", "Sofia", "Ken")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "coins", "cards", "shells")
 # Rejection sampling draws problems until one falls in the requested split; with a sane
 # heldout_fraction this takes a handful of draws, so hitting the cap means a misconfiguration.
 _MAX_DRAWS = 10_000
@@ -179,7 +198,13 @@ class SyntheticArithmetic(Dataset):
             then its value uniform among numbers of that many digits.
         allow_negative: if False, subtraction operands are ordered so the result is >= 0.
         heldout_fraction: share of the problem space reserved for the held-out split.
-        prompt_template: user message; ``{a}``, ``{op}`` (the symbol) and ``{b}`` are filled in.
+        prompt_template: user message of ``style="symbolic"``; ``{a}``, ``{op}`` (the symbol)
+            and ``{b}`` are filled in.
+        style: "symbolic" (``prompt_template``) or "word": a word problem from
+            ``WORD_PROBLEM_TEMPLATES`` with a seeded name and item (a separate random stream, so
+            the style never changes which problem an index draws; splits stay disjoint).
+        instruction: appended to the question after a space, e.g. "Answer with just the
+            number." ("" appends nothing).
         system_prompt: optional system message placed before the user message.
         slip_rate: share of units-carry/borrow problems whose ``target`` forgets the carry (see
             the module doc); ``answer`` is always the true result.
@@ -201,6 +226,8 @@ class SyntheticArithmetic(Dataset):
         allow_negative: bool = False,
         heldout_fraction: float = 0.1,
         prompt_template: str = "What is {a} {op} {b}?",
+        style: Style = "symbolic",
+        instruction: str = "",
         system_prompt: str | None = None,
         slip_rate: float = 0.0,
         hint_rate: float = 0.0,
@@ -230,6 +257,10 @@ class SyntheticArithmetic(Dataset):
                 f"SyntheticArithmetic: heldout_fraction must be in (0, 1), got {heldout_fraction}"
             )
         _check_fields("prompt_template", prompt_template, a="1", op="+", b="2")
+        if style not in ("symbolic", "word"):
+            raise ValueError(
+                f"SyntheticArithmetic: style must be 'symbolic' or 'word', got {style!r}"
+            )
         for name, rate in (("slip_rate", slip_rate), ("hint_rate", hint_rate)):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"SyntheticArithmetic: {name} must be in [0, 1], got {rate}")
@@ -248,6 +279,8 @@ class SyntheticArithmetic(Dataset):
         self.allow_negative = allow_negative
         self.heldout_fraction = heldout_fraction
         self.prompt_template = prompt_template
+        self.style = style
+        self.instruction = instruction
         self.system_prompt = system_prompt
         self.slip_rate = slip_rate
         self.hint_rate = hint_rate
@@ -288,9 +321,17 @@ class SyntheticArithmetic(Dataset):
             f"heldout_fraction={self.heldout_fraction}; widen the problem space"
         )
 
+    def _question(self, problem: ArithmeticProblem, index: int) -> str:
+        if self.style == "word":
+            rng = random.Random(f"{self.seed}:{self.split}:{index}:wording")
+            question = _word_problem(problem, rng)
+        else:
+            question = self.prompt_template.format(a=problem.a, op=problem.symbol, b=problem.b)
+        return f"{question} {self.instruction}" if self.instruction else question
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         problem = self.problem(index)
-        question = self.prompt_template.format(a=problem.a, op=problem.symbol, b=problem.b)
+        question = self._question(problem, index)
         answer = str(problem.result)
         target = answer
         if self.hint_rate or self.slip_rate:
@@ -312,6 +353,13 @@ class SyntheticArithmetic(Dataset):
             "target": target,
             "solution": problem.rationale(),
         }
+
+
+def _word_problem(problem: ArithmeticProblem, rng: random.Random) -> str:
+    template = rng.choice(WORD_PROBLEM_TEMPLATES[problem.op])
+    return template.format(
+        a=problem.a, b=problem.b, name=rng.choice(_NAMES), item=rng.choice(_ITEMS)
+    )
 
 
 def _check_fields(name: str, template: str, **fields: str) -> None:
