@@ -59,3 +59,22 @@ def test_generation_bench_prints_its_table() -> None:
     assert re.search(r"mode\s+batch\s+ours tok/s\s+HF tok/s\s+speed-up\s+rows equal", out)
     assert re.search(r"^greedy\s+2\s+\d+\s+\d+\s+[\d.]+x\s+\d/2$", out, re.M), out
     assert re.search(r"^sample\s+2\s+\d+\s+\d+\s+[\d.]+x\s+-$", out, re.M), out
+
+
+def test_rl_step_bench_prints_phases_per_variant() -> None:
+    small = "warm_start=null num_prompts_per_generation=2 group_size=2 max_new_tokens=4"
+    out = _run(
+        "bench_rl_step.py",
+        *("--config", "cpu_smoke", "--warmup", "0", "--repeats", "1"),
+        *("--variant", small, "--variant", f"{small} autocast=bf16"),
+    )
+    assert re.search(r"variant\s+generation\s+reward\s+old log-prob pass\s+train forward", out)
+    rows = re.findall(r"^(warm_start=null.*?)\s+((?:[\d.]+s\s+){6})([\d.]+)x$", out, re.M)
+    assert [name.endswith("autocast=bf16") for name, _, _ in rows] == [False, True], out
+    for _, seconds, _ in rows:
+        generation, _, old_logp, forward, rest, total = (
+            float(s.rstrip("s")) for s in seconds.split()
+        )
+        assert generation > 0 and forward > 0 and rest > 0 and old_logp == 0
+        assert total >= generation + forward
+    assert float(rows[0][2]) == 1.0

@@ -1,0 +1,174 @@
+"""Where one GRPO step's time goes, for a recipe config and variants of it (e.g. fp32 vs bf16).
+
+    .venv/bin/python bench/bench_rl_step.py --config smollm2 \\
+        --variant autocast=null --variant autocast=bf16 --threads 2
+
+Each ``--variant`` (space-separated ``key=value`` overrides) is ``recipes/grpo.py``'s GRPORecipe
+built from ``--config`` plus those overrides, driven through the methods its ``train()`` loop
+calls (``_rollout`` -> ``_advantages`` -> ``_optimizer_step``), on the same prompt batches. The
+variants take turns step by step (A, B, A, B, ...) in one process, so load from other processes
+hits all of them alike. The first ``--warmup`` steps of each are not counted. Phases: generation
+(KV-cache sampling), reward, old log-prob pass (no grad; absent from on-policy GRPO), train
+forward (the log-prob forward with grad) and the rest (backward, clipping, AdamW). Prints the
+median seconds per phase and each variant's speed-up over the first.
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python bench/bench_rl_step.py` from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+PHASES = ("generation", "reward", "old log-prob pass", "train forward", "backward + AdamW")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="smollm2", help="a recipes/grpo.py config")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="space-separated key=value overrides; repeat to compare (default: the config as is)",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted steps per variant")
+    parser.add_argument("--repeats", type=int, default=3, help="counted steps per variant")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    args.variant = args.variant or [""]
+    return args
+
+
+class Variant:
+    """One GRPORecipe and the phase times of its steps."""
+
+    def __init__(self, config_name: str, overrides: str, output_dir: Path, steps: int) -> None:
+        from composer_tune import config
+        from recipes.grpo import GRPOConfig, GRPORecipe
+
+        self.name = overrides or "(config as is)"
+        cfg = config.load_config(
+            config_name,
+            [
+                *overrides.split(),
+                f"output_dir={output_dir}",
+                f"max_steps={steps}",
+                "eval_dataset=null",
+                "logging.progress_bar=false",
+            ],
+            recipe_file=REPO_ROOT / "recipes" / "grpo.py",
+            schema=GRPOConfig,
+        )
+        self.recipe = GRPORecipe(cfg)
+        self.recipe.setup()
+        self.steps: list[dict[str, float]] = []
+        self.completion_tokens: list[float] = []
+
+    def step(self, samples: list[dict[str, Any]], clock: "PhaseClock") -> None:
+        recipe = self.recipe
+        clock.begin()
+        rollout = recipe._rollout(samples)
+        advantages = recipe._advantages(rollout) * recipe.cfg.advantage_sign
+        recipe._optimizer_step(rollout, advantages, on_policy=recipe._on_policy())
+        recipe.step += 1
+        self.steps.append(clock.end())
+        self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
+
+
+class PhaseClock:
+    """Charges the time of wrapped functions to named phases of the current step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.start = 0.0
+
+    def wrap(self, phase: str | Callable[[], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                name = phase() if callable(phase) else phase
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def begin(self) -> None:
+        self.current, self.start = {}, time.perf_counter()
+
+    def end(self) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        step = dict(self.current)
+        step["backward + AdamW"] = total - sum(step.values())
+        step["total"] = total
+        return step
+
+
+def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
+    """Wrap the functions the recipe calls for each phase (module globals it looks up)."""
+    import recipes.grpo
+    from composer_tune.rollout import rollouts
+
+    rollouts.generate = clock.wrap("generation", rollouts.generate)
+    rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
+    recipes.grpo.sequence_logprobs = clock.wrap("train forward", recipes.grpo.sequence_logprobs)
+    for variant in variants:
+        variant.recipe.reward = clock.wrap("reward", variant.recipe.reward)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    steps = args.warmup + args.repeats
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = [
+            Variant(args.config, overrides, Path(tmp) / str(index), steps)
+            for index, overrides in enumerate(args.variant)
+        ]
+        clock = PhaseClock()
+        clock_phases(clock, variants)
+        # Every variant sees the same prompt batches: the first variant's data order.
+        batches = variants[0].recipe._prompt_batches()
+        for _ in range(steps):
+            samples = next(batches)
+            for variant in variants:
+                variant.step(samples, clock)
+
+    print(f"config {args.config}, threads {args.threads}, median of {args.repeats} steps")
+    header = f"{'variant':<28}" + "".join(f"{p:>19}" for p in (*PHASES, "total")) + "   speed-up"
+    print(header)
+    baseline = None
+    for variant in variants:
+        counted = variant.steps[args.warmup :]
+        medians = {
+            phase: statistics.median(step.get(phase, 0.0) for step in counted)
+            for phase in (*PHASES, "total")
+        }
+        baseline = baseline or medians["total"]
+        print(
+            f"{variant.name:<28}"
+            + "".join(f"{medians[p]:>18.2f}s" for p in (*PHASES, "total"))
+            + f"   {baseline / medians['total']:.2f}x"
+        )
+    for variant in variants:
+        tokens = statistics.mean(variant.completion_tokens[args.warmup :])
+        print(f"mean completion tokens, {variant.name}: {tokens:.1f}")
+
+
+if __name__ == "__main__":
+    main()
