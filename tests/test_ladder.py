@@ -419,3 +419,22 @@ def test_ladder_end_to_end_through_the_cli(sft_warm_start: RecipeRun, tmp_path: 
     assert (out / "runs" / "a1_seed0" / "run.log").read_text().startswith("$ ")
     for name in ("accuracy.png", "reward.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_without_sft_the_arms_start_from_their_configs_checkpoint(
+    tmp_path: Path, fake_tune: Path, smollm2_dir: Path
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        *("--out", str(out), "--arms", "a1", "--seeds", "0", "--steps", "2"),
+        *("--eval-every", "2", "--config", "smollm2", "--sft-config", "none", "--no-plots"),
+    ]
+    assert ladder.main(argv) == 0
+    assert fake_tune.read_text().split() == ["0"]  # no SFT run
+    results = json.loads((out / "results.json").read_text())
+    assert results["warm_start"]["path"] == str(smollm2_dir)
+    command = results["runs"]["a1/seed0"]["command"]
+    # The config's own held-out set and task: nothing from an SFT config overrides them.
+    assert not [arg for arg in command if arg.startswith(("eval_dataset.", "dataset.", "warm"))]
+    smollm2_yaml = yaml.safe_load((REPO_ROOT / "recipes/configs/grpo/smollm2.yaml").read_text())
+    assert results["settings"]["heldout"] == smollm2_yaml["eval_dataset"]

@@ -5,11 +5,14 @@
     python tools/ladder.py --arms a1 a2 --override optimizer.lr=1e-5 --override a2:sdpo.weight=0.5
     python tools/ladder.py --warm-start outputs/sft_cpu_smoke --steps 4 --seeds 0 --eval-every 2 \
         --diloco-sync-every 2
+    python tools/ladder.py --config smollm2 --sft-config none --out runs/ladder_smollm2
 
 One A0 SFT run (``recipes/sft.py``, ``--sft-config``, by default ``cpu_smoke_hints``: the SFT
 smoke run that also learnt to read SDPO's hints, which A2, A4 and DiLoCo need) is trained into
 ``<out>/warm_start`` (or ``--warm-start`` names an existing one: an SFT output folder or a
-Hugging Face model folder).
+Hugging Face model folder). With ``--sft-config none`` there is no SFT run: A0 is the pretrained
+checkpoint the arms' configs start from (``--config smollm2``: SmolLM2-135M-Instruct), and every
+arm keeps its config's own task and held-out set (the ladder checks that they agree).
 Every arm then starts from it with the same ``max_steps`` (``--steps``), the same seeds, the
 warm start's held-out set and training-task distribution (the SFT config's ``eval_dataset``
 section and its ``dataset`` operations/digits, passed to every arm), and a held-out evaluation
@@ -115,6 +118,7 @@ ARMS = {
     )
 }
 SFT_RECIPE, SFT_SCHEMA = "recipes/sft.py", "SFTConfig"
+NO_SFT = "none"  # --sft-config value: no SFT run, the arms start from their configs' checkpoint
 # The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
 TASK_KEYS = ("operations", "min_digits", "max_digits")
 
@@ -239,8 +243,11 @@ class PlannedRun:
         return [self.run_dir / f"replica_{i}" / "logs" for i in range(self.arm.replicas)]
 
 
-def plan_runs(args: argparse.Namespace, warm_start: list[str], sft_cfg: Any) -> list[PlannedRun]:
+def plan_runs(
+    args: argparse.Namespace, warm_start: list[str], sft_cfg: Any | None
+) -> list[PlannedRun]:
     """Every (arm, seed) run of the ladder, seed-major (a cut-short ladder has whole seeds).
+    With an SFT config the arms take its held-out set and task; without one, their own.
 
     Raises:
         ValueError: naming a bad ``--override``.
@@ -251,9 +258,12 @@ def plan_runs(args: argparse.Namespace, warm_start: list[str], sft_cfg: Any) -> 
         "logging.log_every_n_steps=1",  # every step's rollout statistics (the token count)
         "logging.progress_bar=false",
         *warm_start,
-        *section_overrides("eval_dataset", _plain(sft_cfg.eval_dataset)),
-        *section_overrides("dataset", _plain(sft_cfg.dataset), TASK_KEYS),
     ]
+    if sft_cfg is not None:
+        shared += [
+            *section_overrides("eval_dataset", _plain(sft_cfg.eval_dataset)),
+            *section_overrides("dataset", _plain(sft_cfg.dataset), TASK_KEYS),
+        ]
     runs = []
     for seed in args.seeds:
         for key in args.arms:
@@ -667,7 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sft-config",
         default="cpu_smoke_hints",
-        help="config of the A0 SFT run (the default's model can read SDPO's hints)",
+        help="config of the A0 SFT run (the default's model can read SDPO's hints); "
+        f"'{NO_SFT}': A0 is the checkpoint the arms' configs start from (e.g. --config smollm2), "
+        "and their own task and held-out set are used",
     )
     parser.add_argument(
         "--sft-override",
@@ -763,14 +775,22 @@ def main(argv: list[str] | None = None) -> int:
     # overrides, equal held-out sets, and earlier runs in --out made with other settings.
     try:
         results = load_results(results_path)
-        sft_cfg = load_recipe_config(SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override)
+        sft_cfg = None
+        if args.sft_config != NO_SFT:
+            sft_cfg = load_recipe_config(
+                SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override
+            )
         if args.warm_start is not None:
             warm_start = args.warm_start.resolve()
             warm_start_args = warm_start_overrides(warm_start)
+        elif sft_cfg is None:  # the arms' configs name their checkpoint
+            warm_start, warm_start_args = None, []
         else:
             warm_start = (args.out / "warm_start").resolve()
             warm_start_args = [f"warm_start.output_dir={warm_start}"]
         runs = plan_runs(args, warm_start_args, sft_cfg)
+        if warm_start is None:
+            warm_start = runs[0].resolved_config().checkpoint.initial_checkpoint
         heldout = heldout_set(runs)
         pending = [run for run in runs if not should_skip(results["runs"].get(run.key), run)]
     except (ValueError, FileNotFoundError) as err:
@@ -786,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout": heldout,
     }
     results.setdefault("warm_start", {"path": str(warm_start)})
-    if pending and args.warm_start is None:
+    if pending and args.warm_start is None and sft_cfg is not None:
         try:
             train_warm_start(args, warm_start, results, env)
         except RuntimeError as err:
