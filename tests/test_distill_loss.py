@@ -135,10 +135,12 @@ def reference(inputs: dict, config: DistillConfig) -> dict:
         ratio = (student_logp.detach() - inputs["old_logprobs"]).clamp(-20, 20).exp()
         token_loss = token_loss * ratio.clamp(max=config.is_clip)
     loss = token_loss[valid].sum() / valid.sum()
+    top1_differs = student_p.argmax(-1) != teacher_p.argmax(-1)
     return {
         "loss": loss,
         "divergence": torch.where(valid, divergence, 0.0).detach(),
         "gap": (teacher_logp - student_logp)[valid].mean().item(),
+        "top1_disagreement": top1_differs[valid].double().mean().item(),
     }
 
 
@@ -161,6 +163,7 @@ def test_matches_definition_values_and_gradients(alpha, temperature, top_k) -> N
     for mine, theirs in zip(grads(got.loss, inputs), grads(want["loss"], inputs), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-8, atol=1e-12)
     assert got.metrics["distill/teacher_minus_student_logp"] == pytest.approx(want["gap"], 1e-10)
+    assert got.metrics["distill/top1_disagreement"] == want["top1_disagreement"]
     assert got.metrics["distill/teacher_fraction"] == pytest.approx(2 / 3)
     assert got.metrics["distill/valid_tokens"] == 7  # row 0: 4, row 2: 3
     assert got.loss.item() > 0
@@ -175,6 +178,7 @@ def test_topk_support_and_tail(support: str) -> None:
     torch.testing.assert_close(got.loss, want["loss"], rtol=1e-9, atol=1e-12)
     for mine, theirs in zip(grads(got.loss, inputs), grads(want["loss"], inputs), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-8, atol=1e-12)
+    assert got.metrics["distill/top1_disagreement"] == want["top1_disagreement"]
     # The top-k divergence is a coarsening of the full one: never larger (data processing).
     full = run(inputs, DistillConfig(alpha=0.5)).divergence
     assert torch.all(got.divergence <= full + 1e-12)

@@ -144,7 +144,9 @@ class DistillOutput:
         ``distill/teacher_minus_student_logp`` (mean over valid tokens of the teacher's minus
         the student's log-prob of the token the student produced: > 0 where the hint makes the
         student's own choice more likely), ``distill/clipped_fraction`` (valid tokens whose
-        divergence hit ``token_clip``), ``distill/is_weight`` (mean importance weight), and
+        divergence hit ``token_clip``), ``distill/is_weight`` (mean importance weight),
+        ``distill/top1_disagreement`` (valid tokens where the teacher's most likely token is
+        not the student's: how often the hint would change a greedy choice), and
         ``distill/valid_tokens``. Means over no valid token are NaN.
     """
 
@@ -314,7 +316,7 @@ def distill_loss(
             config=config,
         )
     use_checkpoint = torch.is_grad_enabled()
-    pieces: list[tuple[Tensor, Tensor, Tensor]] = []
+    pieces: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
     for start in range(0, rows.numel(), config.chunk_size):
         chunk = slice(start, start + config.chunk_size)
         args = (student_rows[chunk], row_targets[chunk], *(part[chunk] for part in teacher_rows))
@@ -326,11 +328,12 @@ def distill_loss(
 
     float_dtype = torch.promote_types(student_hidden.dtype, torch.float32)
     if pieces:
-        divergence, student_logp, teacher_logp = (
+        divergence, student_logp, teacher_logp, top1_differs = (
             torch.cat(parts) for parts in zip(*pieces, strict=True)
         )
     else:
         divergence = student_logp = teacher_logp = student_hidden.new_zeros(0, dtype=float_dtype)
+        top1_differs = torch.zeros(0, dtype=torch.bool, device=targets.device)
 
     token_loss = divergence
     clipped = torch.zeros_like(divergence, dtype=torch.bool)
@@ -357,7 +360,9 @@ def distill_loss(
 
     per_token = torch.zeros(batch, completion_len, dtype=float_dtype, device=targets.device)
     per_token[rows, columns] = divergence.detach()
-    metrics = _metrics(divergence, student_logp, teacher_logp, clipped, weight, has_teacher, count)
+    metrics = _metrics(
+        divergence, student_logp, teacher_logp, clipped, top1_differs, weight, has_teacher, count
+    )
     return DistillOutput(loss=loss, divergence=per_token, valid=valid, metrics=metrics)
 
 
@@ -424,17 +429,21 @@ def _chunk_divergence(
     output_module: OutputModule,
     teacher_output_module: OutputModule,
     config: DistillConfig,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row divergence and both sides' log-prob of ``targets``, for one chunk of rows."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row divergence, both sides' log-prob of ``targets`` and whether their most likely
+    tokens differ, for one chunk of rows."""
     student_logits = _at_least_float32(output_module(student_rows))
     teacher, indices, teacher_target_logp = _teacher_side(
         teacher_rows, targets, teacher_output_module, config, student_logits.dtype
     )
+    # The teacher's full log-probs, or (teacher support) its top-k, most likely first.
+    teacher_top1 = teacher.argmax(-1) if indices is None else indices[:, 0]
+    top1_differs = student_logits.detach().argmax(-1) != teacher_top1
     student_top_k = config.top_k if config.top_k_support == "student" else None
     divergence, student_target_logp = _StudentDivergence.apply(
         student_logits, teacher, indices, targets, config.alpha, config.temperature, student_top_k
     )
-    return divergence, student_target_logp, teacher_target_logp
+    return divergence, student_target_logp, teacher_target_logp, top1_differs
 
 
 def _chunk_with_topk_teacher(
@@ -446,9 +455,10 @@ def _chunk_with_topk_teacher(
     *,
     output_module: OutputModule,
     config: DistillConfig,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_chunk_divergence` with the teacher's top-k side given (see :class:`TeacherTopK`)."""
     student_logits = _at_least_float32(output_module(student_rows))
+    top1_differs = student_logits.detach().argmax(-1) != indices[:, 0]  # topk sorts
     divergence, student_target_logp = _StudentDivergence.apply(
         student_logits,
         teacher_buckets.to(student_logits.dtype),
@@ -458,7 +468,12 @@ def _chunk_with_topk_teacher(
         config.temperature,
         None,
     )
-    return divergence, student_target_logp, teacher_target_logp.to(student_logits.dtype)
+    return (
+        divergence,
+        student_target_logp,
+        teacher_target_logp.to(student_logits.dtype),
+        top1_differs,
+    )
 
 
 @torch.no_grad()
@@ -568,6 +583,7 @@ def _metrics(
     student_logp: Tensor,
     teacher_logp: Tensor,
     clipped: Tensor,
+    top1_differs: Tensor,
     weight: Tensor | None,
     has_teacher: Tensor,
     count: int,
@@ -583,6 +599,7 @@ def _metrics(
         "distill/teacher_minus_student_logp": mean(teacher_logp - student_logp),
         "distill/clipped_fraction": mean(clipped.double()),
         "distill/is_weight": mean(weight) if weight is not None else 1.0,
+        "distill/top1_disagreement": mean(top1_differs.double()),
         "distill/teacher_fraction": float(has_teacher.double().mean())
         if has_teacher.numel()
         else nan,

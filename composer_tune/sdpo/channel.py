@@ -57,6 +57,7 @@ _TOKEN_MEANS = (
     "sdpo/teacher_minus_student_logp",
     "sdpo/clipped_fraction",
     "sdpo/is_weight",
+    "sdpo/top1_disagreement",
 )
 _ROW_MEANS_PREFIX = ("sdpo/teacher_fraction", "sdpo/hint_")
 
