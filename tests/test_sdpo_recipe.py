@@ -6,7 +6,8 @@
 * on real cpu_smoke rollouts the SDPO term is non-zero, and with an EMA teacher a resumed run
   logs exactly the metrics of an uninterrupted one (the teacher's state is in the checkpoint);
 * the warm-started policy, shown the correct answer in its prompt (the cpu_smoke hint), gives
-  the gold answer's tokens a higher probability than without it: the teacher knows better.
+  the gold answer's tokens a higher probability than without it: the teacher knows better;
+  so does SmolLM2-135M-Instruct with the smollm2 config's hint, untrained.
 """
 
 import math
@@ -125,10 +126,12 @@ def test_ema_teacher_resume_is_exact_and_sdpo_term_is_nonzero(
         assert resumed[step] == straight[step], step
 
 
-def _gold_rollouts(tokenizer: ChatTokenizer, samples: list[dict]) -> RolloutBatch:
+def _gold_rollouts(
+    tokenizer: ChatTokenizer, samples: list[dict], enable_thinking: bool
+) -> RolloutBatch:
     """One row per sample whose completion is the gold answer (then end of turn), scored as a
     wrong attempt, so that the hint is the verifier's feedback naming the answer."""
-    prompts = encode_prompts(tokenizer, samples, enable_thinking=False)
+    prompts = encode_prompts(tokenizer, samples, enable_thinking=enable_thinking)
     completions = [tokenizer.encode(sample["answer"]) + [tokenizer.eos_id] for sample in samples]
     wrong = [str(int(sample["answer"]) + 1) for sample in samples]
     results = MathAnswerReward(reveal_answer=True)(wrong, samples)
@@ -152,27 +155,39 @@ def _gold_rollouts(tokenizer: ChatTokenizer, samples: list[dict]) -> RolloutBatc
     )
 
 
-@pytest.fixture(scope="module")
+# Per config: held-out problems scored, and the minimum mean teacher-minus-student gap (nats
+# per answer) and share of answers the teacher prefers. Measured gaps are in the test below.
+SIDES = {"cpu_smoke": (64, 0.25, 0.6), "smollm2": (32, 1.0, 0.8)}
+
+
+@pytest.fixture(scope="module", params=sorted(SIDES))
 def warm_sides(
-    sft_hints_warm_start: RecipeRun,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The warm-started policy on 64 held-out problems whose completion is the gold answer, as
-    student (plain prompt) and as the cpu_smoke teacher (the verifier's feedback naming the
-    answer in the prompt). Returns per-token log-probs of the completion tokens from full
-    logits, ``[rows, tokens]`` for student and teacher, the mask of answer tokens (the
-    completion without its end of turn), and the channel's metrics on the same rows."""
+    request: pytest.FixtureRequest,
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The sdpo config's starting policy on held-out problems whose completion is the gold
+    answer, as student (plain prompt) and as the config's teacher (the verifier's feedback
+    naming the answer in the prompt): for ``cpu_smoke`` the session's hint-reading SFT warm
+    start, for ``smollm2`` SmolLM2-135M-Instruct itself. Returns the config name, per-token
+    log-probs of the completion tokens from full logits, ``[rows, tokens]`` for student and
+    teacher, the mask of answer tokens (the completion without its end of turn), and the
+    channel's metrics on the same rows."""
+    name = request.param
     cfg = config.load_config(
-        "cpu_smoke",
+        name,
         ["output_dir=unused"],
         recipe_file=REPO_ROOT / "recipes" / "sdpo.py",
         schema=SDPOConfig,
     )
     sdpo_cfg = SDPOChannelConfig.from_mapping(OmegaConf.to_container(cfg.sdpo, resolve=True))
-    model = load_decoder_from_hf(latest_checkpoint(sft_hints_warm_start.output_dir) / "model")
+    if name == "cpu_smoke":
+        warm_start = request.getfixturevalue("sft_hints_warm_start").output_dir
+        model = load_decoder_from_hf(latest_checkpoint(warm_start) / "model")
+    else:
+        model = load_decoder_from_hf(cfg.checkpoint.initial_checkpoint)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.eval_dataset)
-    samples = [dataset[index] for index in range(64)]
-    rollouts = _gold_rollouts(tokenizer, samples)
+    samples = [dataset[index] for index in range(SIDES[name][0])]
+    rollouts = _gold_rollouts(tokenizer, samples, cfg.enable_thinking)
     teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=sdpo_cfg)
     assert bool(teacher_batch.has_teacher.all())
     assert all(s["answer"] in f for s, f in zip(samples, rollouts.feedback, strict=True))
@@ -197,13 +212,13 @@ def warm_sides(
     _, metrics = sdpo_channel_loss(
         model, rollouts, tokenizer=tokenizer, cfg=sdpo_cfg, teacher_batch=teacher_batch
     )
-    return student, teacher, answer_mask, metrics
+    return name, student, teacher, answer_mask, metrics
 
 
 def test_sdpo_term_on_the_warm_start_matches_full_logits(warm_sides: tuple) -> None:
     """The channel's teacher-student gap on a real model equals the full-logit computation
     (every completion token), and its divergence is non-zero."""
-    student, teacher, answer_mask, metrics = warm_sides
+    _, student, teacher, answer_mask, metrics = warm_sides
     completion_mask = answer_mask | (answer_mask.roll(1, dims=1) & ~answer_mask)
     gap = (teacher - student)[completion_mask]
     assert metrics["sdpo/valid_tokens"] == completion_mask.sum()
@@ -212,11 +227,16 @@ def test_sdpo_term_on_the_warm_start_matches_full_logits(warm_sides: tuple) -> N
 
 
 def test_teacher_with_the_answer_in_its_hint_prefers_the_gold_answer(warm_sides: tuple) -> None:
-    """Shown the verifier's feedback naming the answer, the warm-started policy gives the gold
+    """Shown the verifier's feedback naming the answer, the starting policy gives the gold
     answer more log-probability than it does to the plain prompt, on average and on most
-    problems. Measured +1.16 / +1.23 / +0.67 nats per answer (SFT seeds 0/1/2); a warm start
-    whose SFT never showed a hint gives -13.9 (recipes/configs/sft/cpu_smoke.yaml)."""
-    student, teacher, answer_mask, _ = warm_sides
+    problems. cpu_smoke: +1.16 / +1.23 / +0.67 nats per answer (SFT seeds 0/1/2); a warm start
+    whose SFT never showed a hint gives -13.9 (recipes/configs/sft/cpu_smoke.yaml).
+    SmolLM2-135M-Instruct, untrained, with the sdpo smollm2 config's hint: +2.90 nats per
+    answer, 0.91 of the answers preferred; a misleading hint naming gold + 3 as the correct
+    answer gives +0.41 and 0.66 (both under the thresholds: the test would catch a teacher
+    that does not read its hint)."""
+    name, student, teacher, answer_mask, _ = warm_sides
+    _, min_gap, min_share = SIDES[name]
     per_answer = ((teacher - student) * answer_mask).sum(dim=1)
-    assert float(per_answer.mean()) > 0.25, per_answer
-    assert float((per_answer > 0).double().mean()) > 0.6, per_answer
+    assert float(per_answer.mean()) > min_gap, per_answer
+    assert float((per_answer > 0).double().mean()) > min_share, per_answer
