@@ -150,6 +150,19 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
         expected = sum(rows * sum(length.values()) for _, length in truth[key]["replicas"])
         assert record["status"] == "ok"
         assert record["generated_tokens"] == pytest.approx(expected, rel=1e-12)
+        # Accuracy at equal tokens: each evaluation against the tokens of the steps before it.
+        by_tokens = ladder.accuracy_by_tokens(record)
+        assert [accuracy for _, accuracy in by_tokens] == [
+            truth[key]["accuracy"][step] for step in range(0, 9, 2)
+        ]
+        for (tokens, _), step in zip(by_tokens, range(0, 9, 2), strict=True):
+            before = sum(
+                rows * length[done]
+                for _, length in truth[key]["replicas"]
+                for done in range(1, step + 1)
+            )
+            assert tokens == pytest.approx(before, rel=1e-12)
+        assert by_tokens[-1][0] == pytest.approx(expected, rel=1e-12)
 
     report = ladder.report_steps(8, 2)
     assert report == [0, 4, 8]
@@ -438,3 +451,34 @@ def test_without_sft_the_arms_start_from_their_configs_checkpoint(
     assert not [arg for arg in command if arg.startswith(("eval_dataset.", "dataset.", "warm"))]
     smollm2_yaml = yaml.safe_load((REPO_ROOT / "recipes/configs/grpo/smollm2.yaml").read_text())
     assert results["settings"]["heldout"] == smollm2_yaml["eval_dataset"]
+
+
+def test_combine_merges_ladders_of_different_arms_and_refuses_unequal_ones(
+    tmp_path: Path, fake_tune: Path, capsys: pytest.CaptureFixture
+) -> None:
+    common = [
+        *("--seeds", "0", "--steps", "2", "--eval-every", "2"),
+        *("--warm-start", str(_hf_warm_start(tmp_path)), "--no-plots"),
+    ]
+    for arm in ("a2", "a1"):
+        assert ladder.main(["--out", str(tmp_path / arm), "--arms", arm, *common]) == 0
+    out = tmp_path / "both"
+    combine = ["--combine", str(tmp_path / "a2"), str(tmp_path / "a1"), "--out", str(out)]
+    assert ladder.main(combine) == 0
+    combined = json.loads((out / "results.json").read_text())
+    assert combined["settings"]["arms"] == ["a1", "a2"]  # the ladder's order
+    assert sorted(combined["runs"]) == ["a1/seed0", "a2/seed0"]
+    markdown = (out / "results.md").read_text()
+    assert "| A1 GRPO |" in markdown and "| A2 SDPO |" in markdown
+    assert (out / "accuracy_vs_tokens.png").read_bytes().startswith(PNG_MAGIC)
+    assert fake_tune.read_text().split() == ["0", "0"]  # combining ran nothing
+
+    other = tmp_path / "other"
+    assert ladder.main(["--out", str(other), "--arms", "a3", *common, "--steps", "4"]) == 0
+    for parts, reason in (
+        ([other, tmp_path / "a1"], "steps 2 differs"),
+        ([tmp_path / "a1", tmp_path / "a1"], "arms ['a1'] are in two of the ladders"),
+    ):
+        with pytest.raises(SystemExit):
+            ladder.main(["--combine", *map(str, parts), "--out", str(tmp_path / "x")])
+        assert reason in capsys.readouterr().err

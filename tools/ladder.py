@@ -6,6 +6,7 @@
     python tools/ladder.py --warm-start outputs/sft_cpu_smoke --steps 4 --seeds 0 --eval-every 2 \
         --diloco-sync-every 2
     python tools/ladder.py --config smollm2 --sft-config none --out runs/ladder_smollm2
+    python tools/ladder.py --combine runs/ladder_a1 runs/ladder_a2 --out runs/ladder_a1_a2
 
 One A0 SFT run (``recipes/sft.py``, ``--sft-config``, by default ``cpu_smoke_hints``: the SFT
 smoke run that also learnt to read SDPO's hints, which A2, A4 and DiLoCo need) is trained into
@@ -29,9 +30,11 @@ samples twice the rollouts of a single-process arm (the tokens column shows it).
 The results folder holds ``runs/<arm>_seed<k>/`` (the run's console log ``run.log``, its
 DiskLogger files, its final checkpoint), ``results.json`` (settings, every metric series of every
 run, failures with their log tails; rewritten atomically after each run), ``results.md`` (the
-table below) and ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std band). A failed
+table below), ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std band) and
+``accuracy_vs_tokens.png`` (each run's accuracy against its generated tokens). A failed
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
-run and retries failed ones. The table, per arm: held-out accuracy at step 0, at the last
+run and retries failed ones. Arms can also run as separate ladders side by side (one ``--out``
+each, e.g. one per core) and be combined into one table with ``--combine``. The table, per arm: held-out accuracy at step 0, at the last
 evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, wall time per run, generated tokens per run (see below) and the
 number of seeds.
 
@@ -512,6 +515,23 @@ def accuracy_series(record: dict[str, Any]) -> list[list[float]]:
     return record["metrics"][0].get(ACCURACY, []) if record["metrics"] else []
 
 
+def accuracy_by_tokens(record: dict[str, Any]) -> list[list[float]]:
+    """Held-out accuracy against the rollout tokens generated before it: ``[[tokens, acc]]``
+    (tokens counted as in :func:`generated_tokens`, cumulated over steps)."""
+    per_step: dict[int, float] = {}
+    for metrics in record["metrics"]:
+        for step, value in metrics.get(COMPLETION_LENGTH, []):
+            if step > 0:
+                per_step[int(step)] = per_step.get(int(step), 0.0) + value
+    rows = record.get("rows_per_step", 0.0)
+    points, total, steps = [], 0.0, sorted(per_step)
+    for step, accuracy in accuracy_series(record):
+        while steps and steps[0] <= step:
+            total += rows * per_step[steps.pop(0)]
+        points.append([total, accuracy])
+    return points
+
+
 def reward_series(record: dict[str, Any]) -> list[list[float]]:
     """Training reward per step, averaged over process replicas (each samples its own rollouts)."""
     by_step: dict[int, list[float]] = {}
@@ -609,8 +629,9 @@ def require_matplotlib() -> Any:
 
 
 def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
-    """accuracy.png and reward.png: per arm, the mean over seeds with a ±1 std band."""
-    written = []
+    """accuracy.png and reward.png: per arm, the mean over seeds with a ±1 std band;
+    accuracy_vs_tokens.png: each run's held-out accuracy against its generated tokens."""
+    written = [_plot_accuracy_vs_tokens(results, out, plt)]
     for name, title, series_of, marker in (
         ("accuracy.png", "held-out accuracy", accuracy_series, "o"),  # a few evaluations
         ("reward.png", "training reward (reward/mean)", reward_series, None),  # every step
@@ -638,6 +659,71 @@ def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
         plt.close(figure)
         written.append(out / name)
     return written
+
+
+def _plot_accuracy_vs_tokens(results: dict[str, Any], out: Path, plt: Any) -> Path:
+    """One line per run (seeds of an arm share a colour): sample efficiency at equal tokens."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, key in enumerate(results["settings"]["arms"]):
+        for number, record in enumerate(ok_records(results, key)):
+            points = accuracy_by_tokens(record)
+            if not points:
+                continue
+            label = f"{ARMS[key].title} (n={len(ok_records(results, key))})"
+            axes.plot(
+                [tokens for tokens, _ in points],
+                [accuracy for _, accuracy in points],
+                marker="o",
+                color=colours[index % len(colours)],
+                alpha=0.7,
+                label=label if number == 0 else None,
+            )
+    axes.set_xlabel("generated rollout tokens")
+    axes.set_ylabel("held-out accuracy")
+    axes.set_title("held-out accuracy at equal generated tokens (one line per seed)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path = out / "accuracy_vs_tokens.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) -> dict[str, Any]:
+    """One results file from ladders that ran different arms (e.g. in parallel, one per core)
+    with otherwise identical settings.
+
+    Raises:
+        ValueError: naming the folder whose settings, warm start or arms clash with the first.
+    """
+    first = parts[0]
+    combined: dict[str, Any] = {
+        "settings": {**first["settings"], "arms": [], "command": []},
+        "warm_start": first.get("warm_start", {}),
+        "runs": {},
+    }
+    for part, source in zip(parts, sources, strict=True):
+        if "settings" not in part:
+            raise ValueError(f"{source}: no ladder results (results.json has no settings)")
+        for key in ("seeds", "steps", "eval_every", "heldout"):
+            if part["settings"][key] != first["settings"][key]:
+                raise ValueError(
+                    f"{source}: {key} {part['settings'][key]} differs from {sources[0]}'s "
+                    f"{first['settings'][key]}: only ladders with equal settings combine"
+                )
+        if part.get("warm_start", {}).get("path") != combined["warm_start"].get("path"):
+            raise ValueError(f"{source}: another warm start than {sources[0]}'s")
+        overlap = set(part["settings"]["arms"]) & set(combined["settings"]["arms"])
+        if overlap:
+            raise ValueError(f"{source}: arms {sorted(overlap)} are in two of the ladders")
+        combined["settings"]["arms"] += part["settings"]["arms"]
+        combined["settings"]["command"].append(part["settings"]["command"])
+        combined["runs"].update(part["runs"])
+    combined["settings"]["arms"] = [key for key in ARMS if key in combined["settings"]["arms"]]
+    combined["settings"]["command"] = "` and `".join(combined["settings"]["command"])
+    return combined
 
 
 # ------------------------------------------------------------------------------ main
@@ -702,6 +788,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-timeout", type=float, default=3600.0, help="seconds before a run is stopped"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: write --out's table and plots from these ladders' results (the same "
+        "settings, different arms, e.g. one ladder per core)",
+    )
     return parser
 
 
@@ -768,6 +862,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _validate(args, parser)
     plt = None if args.no_plots else require_matplotlib()  # fail before the compute, not after
+    if args.combine:
+        try:
+            parts = [load_results(folder / "results.json") for folder in args.combine]
+            combined = combine_results(parts, args.combine)
+        except ValueError as err:
+            parser.error(str(err))
+        args.out.mkdir(parents=True, exist_ok=True)
+        save(combined, args.out, plt)
+        print(f"results: {args.out / 'results.md'}", flush=True)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "results.json"
     env = subprocess_env(args.omp_threads)
@@ -777,9 +881,7 @@ def main(argv: list[str] | None = None) -> int:
         results = load_results(results_path)
         sft_cfg = None
         if args.sft_config != NO_SFT:
-            sft_cfg = load_recipe_config(
-                SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override
-            )
+            sft_cfg = load_recipe_config(SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override)
         if args.warm_start is not None:
             warm_start = args.warm_start.resolve()
             warm_start_args = warm_start_overrides(warm_start)
