@@ -10,7 +10,9 @@
   so does SmolLM2-135M-Instruct with the smollm2 config's hint, untrained.
 """
 
+import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,9 @@ from omegaconf import OmegaConf
 from composer_tune import config
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
-from composer_tune.data.tokenizer import ChatTokenizer
-from composer_tune.evaluation import encode_prompts
 from composer_tune.metrics_log import parse_metric_lines
-from composer_tune.rewards import MathAnswerReward
-from composer_tune.rollout.generation import pack_sequences
-from composer_tune.rollout.rollouts import RolloutBatch
 from composer_tune.sdpo import SDPOChannelConfig, build_sdpo_teacher_batch, sdpo_channel_loss
+from composer_tune.sdpo.diagnostics import gold_answer_gap, gold_answer_rollouts
 from recipes.grpo import GRPOConfig, GRPORecipe
 from recipes.sdpo import TIMING_METRICS, SDPOConfig, SDPORecipe
 from tests.recipe_runs import REPO_ROOT, RecipeRun
@@ -126,35 +124,6 @@ def test_ema_teacher_resume_is_exact_and_sdpo_term_is_nonzero(
         assert resumed[step] == straight[step], step
 
 
-def _gold_rollouts(
-    tokenizer: ChatTokenizer, samples: list[dict], enable_thinking: bool
-) -> RolloutBatch:
-    """One row per sample whose completion is the gold answer (then end of turn), scored as a
-    wrong attempt, so that the hint is the verifier's feedback naming the answer."""
-    prompts = encode_prompts(tokenizer, samples, enable_thinking=enable_thinking)
-    completions = [tokenizer.encode(sample["answer"]) + [tokenizer.eos_id] for sample in samples]
-    wrong = [str(int(sample["answer"]) + 1) for sample in samples]
-    results = MathAnswerReward(reveal_answer=True)(wrong, samples)
-    packed = pack_sequences(prompts, completions, tokenizer.pad_id)
-    rows = len(samples)
-    return RolloutBatch(
-        tokens=packed.tokens,
-        input_pos=packed.input_pos,
-        completion_mask=packed.completion_mask,
-        old_logp=torch.zeros(packed.tokens.shape),
-        ref_logp=None,
-        rewards=torch.zeros(rows),
-        correct=torch.zeros(rows, dtype=torch.bool),
-        feedback=[result.feedback for result in results],
-        truncated=torch.zeros(rows, dtype=torch.bool),
-        prompt_lengths=packed.prompt_lengths,
-        completion_lengths=packed.completion_lengths,
-        group_ids=torch.arange(rows),
-        texts=wrong,
-        samples=samples,
-    )
-
-
 # Per config: held-out problems scored, and the minimum mean teacher-minus-student gap (nats
 # per answer) and share of answers the teacher prefers. Measured gaps are in the test below.
 SIDES = {"cpu_smoke": (64, 0.25, 0.6), "smollm2": (32, 1.0, 0.8)}
@@ -187,7 +156,7 @@ def warm_sides(
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.eval_dataset)
     samples = [dataset[index] for index in range(SIDES[name][0])]
-    rollouts = _gold_rollouts(tokenizer, samples, cfg.enable_thinking)
+    rollouts = gold_answer_rollouts(tokenizer, samples, enable_thinking=cfg.enable_thinking)
     teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=sdpo_cfg)
     assert bool(teacher_batch.has_teacher.all())
     assert all(s["answer"] in f for s, f in zip(samples, rollouts.feedback, strict=True))
@@ -212,13 +181,14 @@ def warm_sides(
     _, metrics = sdpo_channel_loss(
         model, rollouts, tokenizer=tokenizer, cfg=sdpo_cfg, teacher_batch=teacher_batch
     )
-    return name, student, teacher, answer_mask, metrics
+    gap = gold_answer_gap(model, tokenizer, samples, sdpo_cfg, enable_thinking=cfg.enable_thinking)
+    return name, student, teacher, answer_mask, metrics, gap
 
 
 def test_sdpo_term_on_the_warm_start_matches_full_logits(warm_sides: tuple) -> None:
     """The channel's teacher-student gap on a real model equals the full-logit computation
     (every completion token), and its divergence is non-zero."""
-    _, student, teacher, answer_mask, metrics = warm_sides
+    _, student, teacher, answer_mask, metrics, _ = warm_sides
     completion_mask = answer_mask | (answer_mask.roll(1, dims=1) & ~answer_mask)
     gap = (teacher - student)[completion_mask]
     assert metrics["sdpo/valid_tokens"] == completion_mask.sum()
@@ -235,8 +205,29 @@ def test_teacher_with_the_answer_in_its_hint_prefers_the_gold_answer(warm_sides:
     answer, 0.91 of the answers preferred; a misleading hint naming gold + 3 as the correct
     answer gives +0.41 and 0.66 (both under the thresholds: the test would catch a teacher
     that does not read its hint)."""
-    name, student, teacher, answer_mask, _ = warm_sides
+    name, student, teacher, answer_mask, _, gap = warm_sides
     _, min_gap, min_share = SIDES[name]
     per_answer = ((teacher - student) * answer_mask).sum(dim=1)
+    # The diagnostic (chunked log-prob head, batches of rows) computes the same gap.
+    torch.testing.assert_close(gap, per_answer.double(), rtol=0, atol=1e-3)
     assert float(per_answer.mean()) > min_gap, per_answer
     assert float((per_answer > 0).double().mean()) > min_share, per_answer
+
+
+def test_teacher_gap_tool_prints_the_gap_and_names_a_bad_checkpoint(
+    smollm2_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    tool = _load_tool("sdpo_teacher_gap")
+    assert tool.main(["--config", "smollm2", "--num-problems", "4"]) == 0
+    line = capsys.readouterr().out
+    match = re.search(r"= ([+-][\d.]+) ± [\d.]+ nats per answer over 4 held-out problems", line)
+    assert match and str(smollm2_dir) in line, line
+    assert tool.main(["--config", "smollm2", "--checkpoint", "/nonexistent"]) == 1
+    assert "/nonexistent: neither a Hugging Face model directory" in capsys.readouterr().err
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
