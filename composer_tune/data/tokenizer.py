@@ -164,13 +164,7 @@ def load_added_tokens(
     config_path = Path(config_path)
     decoder: Mapping[str, Any] | None = None
     if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{config_path}: not valid UTF-8 JSON: {err}") from err
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path}: expected a JSON object")
-        decoder = config.get("added_tokens_decoder")
+        decoder = _read_json_object(config_path).get("added_tokens_decoder")
         if decoder is not None and not isinstance(decoder, dict):
             raise ValueError(f"{config_path}: added_tokens_decoder must be an object id -> token")
     if not decoder:
