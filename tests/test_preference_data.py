@@ -149,6 +149,27 @@ def test_answer_not_separable_from_prompt_is_an_error(
         PreferenceDataset(path, tokenizer, split="all", enable_thinking=False)
 
 
+def test_a_template_that_drops_tool_calls_is_refused(smollm2_dir: Path, tmp_path: Path) -> None:
+    """SmolLM2's template renders message content only: a tool-call action would train as an
+    empty answer, and a pair of two tool calls as no preference at all."""
+    smollm2 = ChatTokenizer.from_dir(smollm2_dir)
+    rows = raw_rows()
+    with_call = next(i for i, row in enumerate(rows) if row["chosen"].get("tool_calls"))
+    path = write_rows(tmp_path / "tools.jsonl", rows[with_call : with_call + 1])
+    with pytest.raises(
+        PreferenceDataError, match=r"tools\.jsonl:1: 'chosen': the checkpoint's chat template drops"
+    ):
+        PreferenceDataset(path, smollm2, split="all")
+    text_only = {
+        **rows[with_call],
+        "chosen": {"role": "assistant", "content": "ok", "tool_calls": []},
+        "rejected": {"role": "assistant", "content": "ok"},
+    }
+    path = write_rows(tmp_path / "same.jsonl", [text_only])
+    with pytest.raises(PreferenceDataError, match=r"same\.jsonl:1: .*render to the same tokens"):
+        PreferenceDataset(path, smollm2, split="all")
+
+
 def test_tokenizer_that_truncates_is_refused(tokenizer: ChatTokenizer) -> None:
     truncating = ChatTokenizer.from_dir(TOKENIZER_DIR, max_seq_len=64)
     with pytest.raises(ValueError, match="max_seq_len"):

@@ -251,8 +251,9 @@ def render_pair(
     """``(prompt_ids, chosen_ids, rejected_ids)`` of one validated pair, untruncated.
 
     Raises:
-        PreferenceDataError: if the prompt is not a token prefix of prompt + answer, or the
-            answer's tokens after the prompt are not one assistant turn ending in ``<|im_end|>``.
+        PreferenceDataError: if the prompt is not a token prefix of prompt + answer, the
+            answer's tokens after the prompt are not one assistant turn ending in ``<|im_end|>``,
+            the template drops an answer's tool calls, or both answers render alike.
     """
     if tokenizer.max_seq_len is not None:
         raise ValueError(
@@ -286,7 +287,20 @@ def render_pair(
                 f"{where}: '{key}': the tokens after the prompt are not one assistant turn "
                 "ending in <|im_end|>"
             )
+        rendered = tokenizer.decode(completion, skip_special_tokens=False)
+        for call in row[key].get("tool_calls") or []:
+            if call["function"]["name"] not in rendered:
+                raise PreferenceDataError(
+                    f"{where}: '{key}': the checkpoint's chat template drops tool calls (the "
+                    f"call to {call['function']['name']!r} is not in its rendering); pairs with "
+                    "tool calls need a template that renders them (Qwen3's does, SmolLM2's not)"
+                )
         completions.append(completion)
+    if completions[0] == completions[1]:
+        raise PreferenceDataError(
+            f"{where}: 'chosen' and 'rejected' render to the same tokens, so the pair prefers "
+            "nothing (the chat template drops what tells them apart)"
+        )
     return prompt_ids, completions[0], completions[1]
 
 
