@@ -1,11 +1,14 @@
-"""Running recipes through the real `tune` console script, as a user types it."""
+"""Running recipes through the real `tune` console script, as a user types it, and loading
+`tools/` scripts as modules."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from composer_tune.metrics_log import Metrics, read_metrics
 
@@ -49,3 +52,11 @@ def run_recipe(recipe: str, config: str, output_dir: Path, *overrides: str) -> R
             f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
     return RecipeRun(output_dir=output_dir, stdout=result.stdout, stderr=result.stderr)
+
+
+def load_tool(name: str) -> ModuleType:
+    """``tools/<name>.py`` as a module (``tools/`` is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

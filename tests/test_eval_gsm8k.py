@@ -8,7 +8,6 @@ ends with. Each row of the tool's output is then recomputed independently: the c
 verdict by hand from that completion and the gold written into the file.
 """
 
-import importlib.util
 import json
 import shutil
 from fractions import Fraction
@@ -21,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from composer_tune.checkpointing import save_hf_checkpoint
 from composer_tune.models import qwen3_tiny
 from composer_tune.rewards.answer import extract_answer, final_response
+from tests.recipe_runs import load_tool
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "tests" / "assets" / "tokenizer"
@@ -28,14 +28,7 @@ GSM8K_TEST = REPO / "tests" / "assets" / "gsm8k" / "test.jsonl"
 OFFSET, LIMIT, NEW_TOKENS = 5, 16, 40
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("eval_gsm8k", REPO / "tools" / "eval_gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-eval_gsm8k = _load_tool()
+eval_gsm8k = load_tool("eval_gsm8k")
 
 
 @pytest.fixture(autouse=True)

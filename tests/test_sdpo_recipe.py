@@ -10,7 +10,6 @@
   so does SmolLM2-135M-Instruct with the smollm2 config's hint, untrained.
 """
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -27,7 +26,7 @@ from composer_tune.sdpo import SDPOChannelConfig, build_sdpo_teacher_batch, sdpo
 from composer_tune.sdpo.diagnostics import gold_answer_gap, gold_answer_rollouts
 from recipes.grpo import GRPOConfig, GRPORecipe
 from recipes.sdpo import TIMING_METRICS, SDPOConfig, SDPORecipe
-from tests.recipe_runs import REPO_ROOT, RecipeRun
+from tests.recipe_runs import REPO_ROOT, RecipeRun, load_tool
 
 pytestmark = pytest.mark.slow
 
@@ -217,17 +216,10 @@ def test_teacher_with_the_answer_in_its_hint_prefers_the_gold_answer(warm_sides:
 def test_teacher_gap_tool_prints_the_gap_and_names_a_bad_checkpoint(
     smollm2_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    tool = _load_tool("sdpo_teacher_gap")
+    tool = load_tool("sdpo_teacher_gap")
     assert tool.main(["--config", "smollm2", "--num-problems", "4"]) == 0
     line = capsys.readouterr().out
     match = re.search(r"= ([+-][\d.]+) ± [\d.]+ nats per answer over 4 held-out problems", line)
     assert match and str(smollm2_dir) in line, line
     assert tool.main(["--config", "smollm2", "--checkpoint", "/nonexistent"]) == 1
     assert "/nonexistent: neither a Hugging Face model directory" in capsys.readouterr().err
-
-
-def _load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -8,7 +8,6 @@ up as different ids or text.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -18,18 +17,10 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from composer_tune.data.tokenizer import QWEN3_ADDED_TOKENS, ChatTokenizer, from_pretrained
+from tests.recipe_runs import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "tests" / "assets" / "tokenizer"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location(
-        "train_tokenizer", REPO / "tools" / "train_tokenizer.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +77,7 @@ def test_digits_stay_single_even_with_a_digit_merge(tmp_path: Path) -> None:
     (target / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     with (target / "merges.txt").open("a", encoding="utf-8") as merges:
         merges.write("1 2\n")
-    config = _load_tool().tokenizer_config(len(vocab), 32768)
+    config = load_tool("train_tokenizer").tokenizer_config(len(vocab), 32768)
     (target / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     ours_12 = ChatTokenizer.from_dir(target)
     hf_12 = AutoTokenizer.from_pretrained(str(target))
@@ -486,14 +477,14 @@ def test_malformed_files_are_reported(tmp_path: Path, file: str, edit, match: st
 
 
 def test_committed_asset_is_what_the_tool_generates(tmp_path: Path) -> None:
-    tool = _load_tool()
+    tool = load_tool("train_tokenizer")
     assert tool.main(["--output-dir", str(tmp_path), "--vocab-size", "1024"]) == 0
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / name).read_bytes() == (ASSET / name).read_bytes(), name
 
 
 def test_tool_trains_on_jsonl_and_transformers_loads_it(tmp_path: Path) -> None:
-    tool = _load_tool()
+    tool = load_tool("train_tokenizer")
     corpus = tmp_path / "corpus.jsonl"
     rows = [
         {"messages": [{"role": "user", "content": "zyzzyva quokka " * 5}], "skip": "ignored"}
@@ -516,4 +507,6 @@ def test_tool_reports_bad_jsonl_line(tmp_path: Path) -> None:
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n\n{"text": broken}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: invalid JSON"):
-        _load_tool().main(["--output-dir", str(tmp_path / "o"), "--input", str(corpus)])
+        load_tool("train_tokenizer").main(
+            ["--output-dir", str(tmp_path / "o"), "--input", str(corpus)]
+        )
