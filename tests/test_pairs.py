@@ -4,7 +4,6 @@ and the whole chain on a real Claude Code trace (ingest -> replay over HTTP -> p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from composer_tune.data.pairs import (
 from composer_tune.data.traces import iter_steps
 from composer_tune.data.traces.schema import Action, ToolCall
 from tests.fake_openai_server import FakeOpenAIServer, Reply
+from tests.recipe_runs import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_TRACE = REPO / "tests/assets/traces/claude-code/1af7fc5e-8455-4414-9ccd-011d40f70b2a.jsonl"
@@ -64,6 +64,13 @@ def test_action_agreement_cases():
     assert action_agreement(read_a, call("write_file", path="src/a.py", limit=50)) == 0.0
     assert action_agreement(read_a, Action(text="I will read src/a.py")) == 0.0
     assert action_agreement(Action(text="Done."), Action(text="done .")) == 1.0
+    # final_answer: text-only actions agree on their final answer, not their wording.
+    so, answer_is = Action(text="So 21 - 2 = 19."), Action(text="The answer is 19")
+    assert action_agreement(so, answer_is) < 0.4
+    assert action_agreement(so, answer_is, "final_answer") == 1.0
+    assert action_agreement(so, Action(text="21 - 2 = 18"), "final_answer") == 0.0
+    assert action_agreement(Action(text="no idea"), Action(text="none"), "final_answer") == 0.0
+    assert action_agreement(read_a, read_a, "final_answer") == 1.0  # tool calls as before
     # Call order does not matter; a missing call costs its share.
     two = Action(tool_calls=[ToolCall("ls", {"d": "x"}), ToolCall("cat", {"f": "y"})])
     swapped = Action(tool_calls=[ToolCall("cat", {"f": "y"}), ToolCall("ls", {"d": "x"})])
@@ -85,14 +92,18 @@ def test_rules_validation_names_key_and_file(tmp_path):
         ("modes: [best_of]", "'modes' must be a non-empty list"),
         ("consensus_threshold: 0.3\ndisagreement_threshold: 0.5", "must not exceed"),
         ("min_teachers: 0", "'min_teachers' must be an integer >= 1"),
+        ("text_match: exact", "'text_match' must be one of ['tokens', 'final_answer']"),
     ]:
         path.write_text(text)
         with pytest.raises(PairRulesError, match=r".*") as error:
             load_pair_rules(path)
         assert expected in str(error.value) and str(path) in str(error.value)
-    path.write_text("modes: [trace_over_outlier]\nexclude_teachers: [self]\n")
+    path.write_text(
+        "modes: [trace_over_outlier]\nexclude_teachers: [self]\ntext_match: final_answer\n"
+    )
     rules = load_pair_rules(path)
     assert rules.modes == ("trace_over_outlier",) and rules.exclude_teachers == ("self",)
+    assert rules.text_match == "final_answer"
     assert parse_pair_rules(None) == PairRules()
 
 
@@ -216,13 +227,6 @@ def test_bad_replayed_line_is_named(tmp_path):
 
 
 # ------------------------------------------------------------------- real trace, end to end
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_real_trace_replay_to_pairs_to_datasets(tmp_path, monkeypatch):

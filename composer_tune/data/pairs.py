@@ -15,7 +15,11 @@ Agreement score of two actions, in [0, 1]:
   keys (a key missing on one side scores 0): strings by token Jaccard similarity (lower-cased word
   and punctuation tokens), numbers exactly (1 == 1.0), booleans and null exactly, lists position
   by position, objects recursively. Accompanying text is ignored: it is commentary.
-* neither calls tools: token Jaccard similarity of the texts (two empty texts agree fully).
+* neither calls tools: token Jaccard similarity of the texts (two empty texts agree fully), or
+  with ``text_match: final_answer`` (tasks with a verifiable answer, where wording is not the
+  action) 1 when both texts end in the same answer (``composer_tune.rewards.answer
+  .extract_answer``: "So 21 - 2 = 19." and "The answer is 19" agree), else 0, also when
+  either has none.
 * one calls a tool and the other only talks: 0.
 
 Mining rules (YAML mapping, every key optional)::
@@ -25,6 +29,7 @@ Mining rules (YAML mapping, every key optional)::
     disagreement_threshold: 0.4  # an action disagrees with the trace if it scores < this
     modes: [consensus_over_trace]   # and/or trace_over_outlier
     exclude_teachers: []         # e.g. the model that produced the traces (it agrees with itself)
+    text_match: tokens           # or final_answer: how two text-only actions are compared
 
 Decision per replayed step:
 
@@ -63,10 +68,12 @@ from typing import Any
 import yaml
 
 from composer_tune.data.traces.schema import Action, ToolCall
+from composer_tune.rewards.answer import extract_answer
 from composer_tune.teachers.protocol import action_to_message, normalise_message
 
 TOOL_NAME_WEIGHT = 0.5
 MODES = ("consensus_over_trace", "trace_over_outlier")
+TEXT_MATCHES = ("tokens", "final_answer")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
@@ -122,9 +129,17 @@ def tool_call_similarity(a: ToolCall, b: ToolCall) -> float:
     return TOOL_NAME_WEIGHT + (1 - TOOL_NAME_WEIGHT) * value_similarity(args_a, args_b)
 
 
-def action_agreement(a: Action, b: Action) -> float:
+def final_answer_agreement(a: str, b: str) -> float:
+    """1.0 when both texts have a final answer and it is the same, else 0.0."""
+    answer = extract_answer(a)
+    return 1.0 if answer is not None and answer == extract_answer(b) else 0.0
+
+
+def action_agreement(a: Action, b: Action, text_match: str = "tokens") -> float:
     """Agreement of two actions in [0, 1] (see the module docstring)."""
     if not a.tool_calls and not b.tool_calls:
+        if text_match == "final_answer":
+            return final_answer_agreement(a.text, b.text)
         return text_similarity(a.text, b.text)
     if not a.tool_calls or not b.tool_calls:
         return 0.0
@@ -159,6 +174,7 @@ class PairRules:
     disagreement_threshold: float = 0.4
     modes: tuple[str, ...] = ("consensus_over_trace",)
     exclude_teachers: tuple[str, ...] = ()
+    text_match: str = "tokens"
 
 
 def parse_pair_rules(raw: Any, *, source: str = "<rules>") -> PairRules:
@@ -196,10 +212,16 @@ def parse_pair_rules(raw: Any, *, source: str = "<rules>") -> PairRules:
     excluded = values.get("exclude_teachers", [])
     if not isinstance(excluded, list) or not all(isinstance(name, str) for name in excluded):
         raise PairRulesError(f"{source}: 'exclude_teachers' must be a list of teacher names")
+    text_match = values.get("text_match", PairRules.text_match)
+    if text_match not in TEXT_MATCHES:
+        raise PairRulesError(
+            f"{source}: 'text_match' must be one of {list(TEXT_MATCHES)}, got {text_match!r}"
+        )
     return PairRules(
         min_teachers=min_teachers,
         modes=tuple(modes),
         exclude_teachers=tuple(excluded),
+        text_match=text_match,
         **thresholds,
     )
 
@@ -258,8 +280,11 @@ def mine_step(record: Mapping[str, Any], rules: PairRules) -> tuple[dict[str, An
     if not trace.text.strip() and not trace.tool_calls:
         return None, "empty_trace_action"
     names = list(answers)
-    with_trace = {name: action_agreement(answers[name], trace) for name in names}
-    pairwise = {(a, b): action_agreement(answers[a], answers[b]) for a, b in combinations(names, 2)}
+    match = rules.text_match
+    with_trace = {name: action_agreement(answers[name], trace, match) for name in names}
+    pairwise = {
+        (a, b): action_agreement(answers[a], answers[b], match) for a, b in combinations(names, 2)
+    }
     consensus = min(pairwise.values(), default=1.0)
 
     if consensus >= rules.consensus_threshold:
@@ -292,7 +317,7 @@ def mine_step(record: Mapping[str, Any], rules: PairRules) -> tuple[dict[str, An
         "rejected": action_to_message(rejected),
         "scores": {
             "teacher_consensus": consensus,
-            "chosen_vs_rejected": action_agreement(chosen, rejected),
+            "chosen_vs_rejected": action_agreement(chosen, rejected, match),
             "agreement_with_trace": with_trace,
         },
         "provenance": {
