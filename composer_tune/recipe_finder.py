@@ -11,6 +11,9 @@ top-level name ``recipes``, and only when the current directory holds a ``recipe
 carrying :data:`MARKER` (this repository's, or a copy of it). Everything else, torchtune's own
 built-in recipes included (it runs those by file path), resolves as before. No file of another
 package is modified. This module must stay cheap to import: it runs at every interpreter start.
+
+The finder also sees the first import of ``torchao`` (torchtune imports it) and filters the one
+known-harmless warning torchao prints then (see ``_quiet_torchao_version_warning``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class LocalRecipesFinder:
 
     @staticmethod
     def find_spec(fullname: str, path: object = None, target: object = None) -> object:
+        if fullname == "torchao":
+            _quiet_torchao_version_warning()
+            return None
         if fullname != "recipes":
             return None
         init = os.path.join(os.getcwd(), "recipes", "__init__.py")
@@ -40,6 +46,21 @@ class LocalRecipesFinder:
         return importlib.util.spec_from_file_location(
             "recipes", init, submodule_search_locations=[os.path.dirname(init)]
         )
+
+
+TORCHAO_VERSION_WARNING = "Skipping import of cpp extensions due to incompatible torch version"
+
+
+def _quiet_torchao_version_warning() -> None:
+    """Drops the one warning torchao logs on import when the pinned torch is newer than the
+    versions it lists: its C++ kernels (quantisation, low-bit optimisers) are not used by
+    composer-tune. Called just before torchao is first imported, so interpreter start pays
+    nothing; the filter matches that message on the ``torchao`` logger only."""
+    import logging
+
+    logging.getLogger("torchao").addFilter(
+        lambda record: not record.getMessage().startswith(TORCHAO_VERSION_WARNING)
+    )
 
 
 def install() -> None:

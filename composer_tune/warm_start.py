@@ -125,8 +125,8 @@ def initial_checkpoint(
         return checkpoint
     if checkpoint is not None:
         raise ValueError(
-            "set either warm_start or checkpoint.initial_checkpoint, not both "
-            f"(got initial_checkpoint={checkpoint})"
+            "set either warm_start or checkpoint.initial_checkpoint, not both (got "
+            f"initial_checkpoint={checkpoint}); to start from that checkpoint, add warm_start=null"
         )
     return str(resolve_warm_start(WarmStartSection(**warm_start), dist_info))
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import training
 from tqdm import tqdm
@@ -77,6 +77,7 @@ from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
 from composer_tune.model_setup import build_decoder
+from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, initial_checkpoint
@@ -149,7 +150,6 @@ class ComposerFullRecipe:
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
-        self.metric_logger = self._setup_metric_logger(cfg)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
@@ -207,6 +207,9 @@ class ComposerFullRecipe:
             if self.channels.dpo.enabled
             else None
         )
+        # Last, once the config and inputs are validated: a start that fails writes no log
+        # or config record into output_dir.
+        self.metric_logger = self._setup_metric_logger(cfg)
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject batch sizes that do not divide evenly, naming the keys involved."""
@@ -243,7 +246,8 @@ class ComposerFullRecipe:
         if not self.dist.is_main or cfg.logging.metric_logger is None:
             return None
         logger = config.instantiate(cfg.logging.metric_logger)
-        logger.log_config(cfg)
+        logger.log_config(cfg)  # torchtune writes <output_dir>/torchtune_config.yaml
+        print(f"resolved config: {cfg.output_dir}/torchtune_config.yaml", flush=True)
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
@@ -402,7 +406,7 @@ class ComposerFullRecipe:
                         )
                     self.step += 1
                     progress.update(1)
-                    progress.set_postfix(loss=f"{loss_metrics['loss']:.4f}")
+                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
                     if self.step % cfg.logging.log_every_n_steps == 0:
                         elapsed = time.perf_counter() - window_start
                         window = torch.tensor([window_tokens], dtype=torch.float64)
@@ -580,10 +584,9 @@ class ComposerFullRecipe:
 @config.parse(schema=ComposerFullConfig)
 def recipe_main(cfg: DictConfig) -> None:
     """A4: GRPO, SDPO and trace-replay DPO (channel 3, this project's own addition)."""
-    recipe = ComposerFullRecipe(cfg)
-    if recipe.dist.is_main:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    recipe.setup()
+    with config.setup_errors_as_one_line():
+        recipe = ComposerFullRecipe(cfg)
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

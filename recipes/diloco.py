@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import training
@@ -108,6 +108,7 @@ from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
 from composer_tune.model_setup import build_decoder
+from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
 from composer_tune.warm_start import WarmStartSection, initial_checkpoint
@@ -206,7 +207,6 @@ class DiLoCoRecipe:
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
         barrier()
-        self.metric_logger = self._setup_metric_logger(cfg)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
@@ -271,6 +271,9 @@ class DiLoCoRecipe:
             if self.channels.dpo.enabled
             else None
         )
+        # Last, once the config and inputs are validated: a start that fails writes no log
+        # or config record into output_dir.
+        self.metric_logger = self._setup_metric_logger(cfg)
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject step counts and batch sizes that do not divide evenly, naming the keys."""
@@ -331,7 +334,8 @@ class DiLoCoRecipe:
         if not self.dist.is_main or cfg.logging.metric_logger is None:
             return None
         logger = config.instantiate(cfg.logging.metric_logger)
-        logger.log_config(cfg)
+        logger.log_config(cfg)  # torchtune writes <output_dir>/torchtune_config.yaml
+        print(f"resolved config: {cfg.output_dir}/torchtune_config.yaml", flush=True)
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
@@ -519,7 +523,7 @@ class DiLoCoRecipe:
                 if not any(outer.committed for outer in synced):
                     continue
                 progress.update(self.diloco.outer_step - progress.n)
-                progress.set_postfix(loss=f"{loss_metrics['loss']:.4f}")
+                progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
                 outer_step = self.diloco.outer_step
                 every_eval = cfg.eval_every_n_outer_steps
                 if every_eval and outer_step % every_eval == 0:
@@ -744,10 +748,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def recipe_main(cfg: DictConfig) -> None:
     """The composer inner loop (channels 1-3; channel 3 is this project's own addition) under
     the DiLoCo outer loop, one replica."""
-    recipe = DiLoCoRecipe(cfg)
-    if recipe.dist.is_main:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    recipe.setup()
+    with config.setup_errors_as_one_line():
+        recipe = DiLoCoRecipe(cfg)
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

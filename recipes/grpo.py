@@ -55,6 +55,7 @@ from composer_tune.losses import (
     policy_loss,
 )
 from composer_tune.model_setup import build_decoder
+from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
     collect_rollouts,
@@ -123,7 +124,6 @@ class GRPORecipe:
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
-        self.metric_logger = self._setup_metric_logger(cfg)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
@@ -153,6 +153,9 @@ class GRPORecipe:
         self.resumed = resume_path is not None
         if resume_path is not None:
             self._restore(resume_path)
+        # Last, once the config and inputs are validated: a start that fails writes no log
+        # or config record into output_dir.
+        self.metric_logger = self._setup_metric_logger(cfg)
 
     def _setup_loss_config(self, cfg: DictConfig) -> PolicyLossConfig:
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
@@ -194,7 +197,8 @@ class GRPORecipe:
         if not self.dist.is_main or cfg.logging.metric_logger is None:
             return None
         logger = config.instantiate(cfg.logging.metric_logger)
-        logger.log_config(cfg)
+        logger.log_config(cfg)  # torchtune writes <output_dir>/torchtune_config.yaml
+        print(f"resolved config: {cfg.output_dir}/torchtune_config.yaml", flush=True)
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
@@ -306,10 +310,7 @@ class GRPORecipe:
                     )
                     self.step += 1
                     progress.update(1)
-                    progress.set_postfix(
-                        loss=f"{loss_metrics['loss']:.4f}",
-                        reward=f"{batch_metrics['reward/mean']:.3f}",
-                    )
+                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
                     if self.step % cfg.logging.log_every_n_steps == 0:
                         elapsed = time.perf_counter() - window_start
                         window = torch.tensor([window_tokens], dtype=torch.float64)
@@ -522,10 +523,9 @@ class GRPORecipe:
 @config.parse(schema=GRPOConfig)
 def recipe_main(cfg: DictConfig) -> None:
     """A1 GRPO-family policy optimisation on verifiable rewards."""
-    recipe = GRPORecipe(cfg)
-    if recipe.dist.is_main:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    recipe.setup()
+    with config.setup_errors_as_one_line():
+        recipe = GRPORecipe(cfg)
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

@@ -75,6 +75,7 @@ from composer_tune.losses import (
     preference_loss,
 )
 from composer_tune.model_setup import build_decoder
+from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
     collect_rollouts,
@@ -149,7 +150,6 @@ class ReplayDPORecipe:
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
-        self.metric_logger = self._setup_metric_logger(cfg)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
@@ -183,6 +183,9 @@ class ReplayDPORecipe:
         self.resumed = resume_path is not None
         state = self._restore(resume_path) if self.resumed else {}
         self.pair_stream, self.heldout_pairs = self._setup_pairs(cfg, state)
+        # Last, once the config and inputs are validated: a start that fails writes no log
+        # or config record into output_dir.
+        self.metric_logger = self._setup_metric_logger(cfg)
 
     def _setup_loss_config(self, cfg: DictConfig) -> PolicyLossConfig:
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
@@ -224,7 +227,8 @@ class ReplayDPORecipe:
         if not self.dist.is_main or cfg.logging.metric_logger is None:
             return None
         logger = config.instantiate(cfg.logging.metric_logger)
-        logger.log_config(cfg)
+        logger.log_config(cfg)  # torchtune writes <output_dir>/torchtune_config.yaml
+        print(f"resolved config: {cfg.output_dir}/torchtune_config.yaml", flush=True)
         return logger
 
     def _initial_checkpoint(self, cfg: DictConfig) -> str | None:
@@ -382,10 +386,7 @@ class ReplayDPORecipe:
                     )
                     self.step += 1
                     progress.update(1)
-                    progress.set_postfix(
-                        loss=f"{loss_metrics['loss']:.4f}",
-                        reward=f"{batch_metrics['reward/mean']:.3f}",
-                    )
+                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
                     if self.step % cfg.logging.log_every_n_steps == 0:
                         elapsed = time.perf_counter() - window_start
                         window = torch.tensor([window_tokens], dtype=torch.float64)
@@ -667,10 +668,9 @@ class ReplayDPORecipe:
 @config.parse(schema=ReplayDPOConfig)
 def recipe_main(cfg: DictConfig) -> None:
     """A3: GRPO plus trace-replay DPO (channel 3, this project's own addition)."""
-    recipe = ReplayDPORecipe(cfg)
-    if recipe.dist.is_main:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    recipe.setup()
+    with config.setup_errors_as_one_line():
+        recipe = ReplayDPORecipe(cfg)
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

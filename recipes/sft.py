@@ -95,7 +95,6 @@ class SFTRecipe:
         barrier()  # every rank looks for the latest checkpoint after the clean-up
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         checkpoint = resume_path or cfg.checkpoint.initial_checkpoint
-        self.metric_logger = self._setup_metric_logger(cfg)
         self.model = self._setup_model(cfg, checkpoint)
         enable_autocast(self.model, cfg.autocast, self.dist.device)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
@@ -110,6 +109,9 @@ class SFTRecipe:
         self.resumed = resume_path is not None
         if resume_path is not None:
             self._restore(resume_path)
+        # Last, once the config and inputs are validated: a start that fails writes no log
+        # or config record into output_dir.
+        self.metric_logger = self._setup_metric_logger(cfg)
 
     def _check_counts(self, cfg: DictConfig) -> None:
         """Reject counts that would crash, divide by zero or loop forever later, naming the key."""
@@ -133,7 +135,8 @@ class SFTRecipe:
         if not self.dist.is_main or cfg.logging.metric_logger is None:
             return None
         logger = config.instantiate(cfg.logging.metric_logger)
-        logger.log_config(cfg)
+        logger.log_config(cfg)  # torchtune writes <output_dir>/torchtune_config.yaml
+        print(f"resolved config: {cfg.output_dir}/torchtune_config.yaml", flush=True)
         return logger
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
@@ -406,10 +409,9 @@ class SFTRecipe:
 @config.parse(schema=SFTConfig)
 def recipe_main(cfg: DictConfig) -> None:
     """A0 supervised warm start."""
-    recipe = SFTRecipe(cfg)
-    if recipe.dist.is_main:
-        print(OmegaConf.to_yaml(cfg), flush=True)
-    recipe.setup()
+    with config.setup_errors_as_one_line():
+        recipe = SFTRecipe(cfg)
+        recipe.setup()
     recipe.train()
     recipe.cleanup()
 

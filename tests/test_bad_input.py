@@ -6,6 +6,8 @@ builder (or weight loader): if the bad input were only noticed after the model w
 weights read), the test would fail on the trap instead of the expected message.
 """
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -41,11 +43,15 @@ def _trap(*_args: object, **_kwargs: object) -> None:
 
 
 def _setup_error(tmp_path: Path, *overrides: str) -> str:
-    """The message of the error the SFT recipe stops with, run in-process."""
-    with pytest.raises(Exception) as info:
+    """The one ``error:`` line the SFT recipe stops with (exit status 2), run in-process. The
+    trap's error is no config error: it propagates and fails the test."""
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
         sft.recipe_main(["--config", "cpu_smoke", f"output_dir={tmp_path / 'out'}", *overrides])
-    assert not isinstance(info.value, ExpensiveWorkStarted), info.value
-    return str(info.value)
+    assert info.value.code == 2
+    (line,) = stderr.getvalue().splitlines()
+    assert line.startswith("error: ")
+    return line.removeprefix("error: ")
 
 
 @pytest.fixture
@@ -119,6 +125,62 @@ def test_missing_checkpoint_directory_names_the_path(tmp_path: Path) -> None:
         f"checkpoint.initial_checkpoint={missing}",
     )
     assert f"checkpoint directory {missing} does not exist" in stderr
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def _one_error_line(result) -> str:
+    """The single ``error:`` line of a run that stopped at set-up, which printed no traceback."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    return line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("loss.objective=dappo",), "loss: PolicyLossConfig.objective must be one of"),
+        (
+            ("checkpoint.initial_checkpoint=/some/model",),
+            "not both (got initial_checkpoint=/some/model); to start from that checkpoint, "
+            "add warm_start=null",
+        ),
+    ],
+)
+def test_config_value_errors_are_one_line(
+    tmp_path: Path, overrides: tuple[str, ...], expected: str
+) -> None:
+    result = run_tune(
+        "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={tmp_path / 'out'}", *overrides
+    )
+    assert expected in _one_error_line(result)
+
+
+@pytest.mark.slow
+def test_a_failed_start_leaves_the_output_dir_unchanged(tmp_path: Path) -> None:
+    """A good run's folder (config record, logs) is not touched by a start that fails."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "torchtune_config.yaml").write_text("output_dir: the good run\n")
+    (out / "logs" / "log_1.txt").write_text("Step 1 | loss:0.5\n")
+    before = _tree(out)
+    missing = tmp_path / "no_such_checkpoint"
+    result = run_tune(
+        "recipes/grpo.py",
+        "--config",
+        "cpu_smoke",
+        f"output_dir={out}",
+        "warm_start=null",
+        f"checkpoint.initial_checkpoint={missing}",
+    )
+    assert f"checkpoint directory {missing} does not exist" in _one_error_line(result)
+    assert _tree(out) == before
 
 
 # ----------------------------------------------------------------------------- in-process

@@ -27,6 +27,7 @@ from composer_tune.checkpointing.run_state import (
     checkpoints_root,
     latest_checkpoint,
     remove_stale_staging,
+    resolve_resume_path,
     save_run_checkpoint,
 )
 from composer_tune.distributed import DistInfo
@@ -314,6 +315,22 @@ def test_latest_ignores_incomplete_and_scratch_folders_which_cleanup_removes(
         ".replaced-step_0000003",
     ]
     assert sorted(p.name for p in root.iterdir()) == ["step_0000003", "step_0000005"]
+
+
+def test_latest_with_nothing_to_resume_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert resolve_resume_path("latest", tmp_path) is None
+    assert capsys.readouterr().out == (
+        f"resume_from_checkpoint=latest: no complete checkpoint in {tmp_path}; "
+        "starting from step 0\n"
+    )
+    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
+    assert resolve_resume_path("latest", tmp_path) is None
+    assert capsys.readouterr().out == ""
+    assert resolve_resume_path(None, tmp_path) is None
+    assert capsys.readouterr().out == ""
 
 
 def test_keep_last_prunes_the_oldest_checkpoints(tmp_path: Path) -> None:

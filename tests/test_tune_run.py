@@ -99,3 +99,29 @@ def test_torchrun_form_two_processes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     for rank in ("0", "1"):
         assert f'ECHO {rank} {{"greeting": "hello", "repeat": 1}}' in result.stdout
+
+
+WITHOUT_HOOK = "[f for f in sys.meta_path if type(f).__name__ != 'LocalRecipesFinder']"
+
+
+def test_torchao_version_warning_is_filtered_and_nothing_else() -> None:
+    """The hook drops torchao's import-time version warning (its C++ kernels are unused); other
+    torchao warnings still print."""
+    script = (
+        "import logging; import torchtune; "
+        "logging.getLogger('torchao').warning('another torchao warning')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Skipping import of cpp extensions" not in result.stderr
+    assert "another torchao warning" in result.stderr
+    # Control: without the hook's finder the pinned torch/torchao pair does print the warning.
+    unhooked = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.meta_path[:] = {WITHOUT_HOOK}; {script}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Skipping import of cpp extensions" in unhooked.stderr

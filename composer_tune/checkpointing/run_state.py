@@ -84,11 +84,19 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
 
 def resolve_resume_path(spec: str | None, output_dir: str | os.PathLike[str]) -> Path | None:
     """``None`` -> no resume; ``"latest"`` -> newest complete checkpoint (None if there is none
-    yet, so a fresh run and a restarted run share one command); otherwise a checkpoint folder."""
+    yet, so a fresh run and a restarted run share one command, and the run says so: rank 0 prints
+    one line); otherwise a checkpoint folder."""
     if spec is None:
         return None
     if spec == "latest":
-        return latest_checkpoint(output_dir)
+        latest = latest_checkpoint(output_dir)
+        if latest is None and os.environ.get("RANK", "0") == "0":
+            print(
+                f"resume_from_checkpoint=latest: no complete checkpoint in {output_dir}; "
+                "starting from step 0",
+                flush=True,
+            )
+        return latest
     path = Path(spec)
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(

@@ -15,6 +15,7 @@ from composer_tune.config._parse import (
     load_config,
     parse,
     resolve_config_path,
+    setup_errors_as_one_line,
     validate_components,
 )
 from composer_tune.config._schema import (
@@ -33,5 +34,6 @@ __all__ = [
     "load_config",
     "parse",
     "resolve_config_path",
+    "setup_errors_as_one_line",
     "validate_components",
 ]

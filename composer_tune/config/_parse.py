@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
 import inspect
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,26 @@ _NULLS = ("null", "None", "~")
 
 class ConfigError(ValueError):
     """A config that cannot be used: the message names the file and the key."""
+
+
+# Set to 1 to see the traceback of a setup error instead of its one line.
+TRACEBACK_ENV = "COMPOSER_TUNE_TRACEBACK"
+
+
+@contextlib.contextmanager
+def setup_errors_as_one_line() -> Iterator[None]:
+    """Around a recipe's construction and ``setup()``: a config value or input the run cannot use
+    (``ValueError``, which ``ConfigError`` is, or a missing file) ends the process with one
+    ``error:`` line on stderr (rank 0's) and exit status 2, as a malformed command line does,
+    instead of a traceback. ``COMPOSER_TUNE_TRACEBACK=1`` re-raises it."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _smollm2_checkpoint(dtype: str = "fp32") -> str:
