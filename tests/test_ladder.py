@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -472,6 +473,16 @@ def test_combine_merges_ladders_of_different_arms_and_refuses_unequal_ones(
     assert "| A1 GRPO |" in markdown and "| A2 SDPO |" in markdown
     assert (out / "accuracy_vs_tokens.png").read_bytes().startswith(PNG_MAGIC)
     assert fake_tune.read_text().split() == ["0", "0"]  # combining ran nothing
+
+    # Another arm with other seeds combines: the table counts each arm's seeds.
+    seeds_1_2 = [*common[2:], "--seeds", "1", "2"]
+    assert ladder.main(["--out", str(tmp_path / "a3"), "--arms", "a3", *seeds_1_2]) == 0
+    three = tmp_path / "three"
+    assert ladder.main(["--combine", str(out), str(tmp_path / "a3"), "--out", str(three)]) == 0
+    combined = json.loads((three / "results.json").read_text())
+    assert combined["settings"]["seeds"] == [0, 1, 2]
+    assert sorted(combined["runs"]) == ["a1/seed0", "a2/seed0", "a3/seed1", "a3/seed2"]
+    assert re.search(r"\| A3 [^|]*\|.*\| 2 \|", (three / "results.md").read_text())
 
     other = tmp_path / "other"
     assert ladder.main(["--out", str(other), "--arms", "a3", *common, "--steps", "4"]) == 0

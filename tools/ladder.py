@@ -693,7 +693,8 @@ def _plot_accuracy_vs_tokens(results: dict[str, Any], out: Path, plt: Any) -> Pa
 
 def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) -> dict[str, Any]:
     """One results file from ladders that ran different arms (e.g. in parallel, one per core)
-    with otherwise identical settings.
+    with otherwise identical settings; their seeds may differ (the table counts each arm's seeds,
+    and the combined ``seeds`` is their union).
 
     Raises:
         ValueError: naming the folder whose settings, warm start or arms clash with the first.
@@ -707,7 +708,7 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
     for part, source in zip(parts, sources, strict=True):
         if "settings" not in part:
             raise ValueError(f"{source}: no ladder results (results.json has no settings)")
-        for key in ("seeds", "steps", "eval_every", "heldout"):
+        for key in ("steps", "eval_every", "heldout"):
             if part["settings"][key] != first["settings"][key]:
                 raise ValueError(
                     f"{source}: {key} {part['settings'][key]} differs from {sources[0]}'s "
@@ -719,6 +720,9 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
         if overlap:
             raise ValueError(f"{source}: arms {sorted(overlap)} are in two of the ladders")
         combined["settings"]["arms"] += part["settings"]["arms"]
+        combined["settings"]["seeds"] = sorted(
+            set(combined["settings"]["seeds"]) | set(part["settings"]["seeds"])
+        )
         combined["settings"]["command"].append(part["settings"]["command"])
         combined["runs"].update(part["runs"])
     combined["settings"]["arms"] = [key for key in ARMS if key in combined["settings"]["arms"]]
