@@ -404,3 +404,157 @@ def test_policy_loss_rejects_bad_shapes_and_missing_reference() -> None:
         policy_loss(logp, old, adv, mask, PolicyLossConfig(beta=0.1))
     with pytest.raises(ValueError, match="num_items_in_batch must be > 0"):
         policy_loss(logp, old, adv, mask, PolicyLossConfig("dapo"), num_items_in_batch=0)
+
+
+# --------------------------------------------------------------------- unscorable (NaN) rewards
+
+
+def test_nan_reward_gets_zero_advantage_and_keeps_its_group_mates() -> None:
+    nan = float("nan")
+    advantages = compute_advantages(torch.tensor([1.0, 0.0, nan, 1.0]), group_size=4)
+    # Scored rewards 1, 0, 1: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2).
+    std = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    expected = [(1 / 3) / (std + 1e-4), (-2 / 3) / (std + 1e-4), 0.0, (1 / 3) / (std + 1e-4)]
+    assert advantages.tolist() == pytest.approx(expected)
+
+
+def test_nan_rewards_in_one_group_leave_the_other_groups_unchanged() -> None:
+    nan = float("nan")
+    clean = torch.tensor([0.0, 1.0, 1.0, 0.5])
+    rewards = torch.cat([clean, torch.tensor([nan, nan, 1.0, nan])])
+    advantages = compute_advantages(rewards, group_size=4)
+    # float32 statistics computed another way: equal to rounding.
+    assert advantages[:4].tolist() == pytest.approx(
+        compute_advantages(clean, group_size=4).tolist(), rel=1e-6
+    )
+    assert advantages[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # one scored row: no signal
+    assert not torch.isnan(advantages).any()
+
+
+def test_nan_rewards_batch_and_no_scaling() -> None:
+    nan = float("nan")
+    rewards = torch.tensor([1.0, nan, 0.0, 0.0])
+    centred = [1.0 - 1 / 3, 0.0, -1 / 3, -1 / 3]  # group of 4 holding every reward
+    assert compute_advantages(rewards, 4, "none").tolist() == pytest.approx(centred)
+    batch_std = statistics.stdev([1.0, 0.0, 0.0])
+    assert compute_advantages(rewards, 4, "batch").tolist() == pytest.approx(
+        [value / (batch_std + 1e-4) for value in centred]
+    )
+
+
+# ------------------------------------------------------------------------- step normalisation
+
+
+def test_step_normalization_completes_every_objective() -> None:
+    from composer_tune.losses import StepNormalization
+
+    step = StepNormalization(active_tokens=20, world_size=2, num_micro_batches=4)
+    alone, _, _ = run(PolicyLossConfig("grpo"))
+    in_step, grad, _ = run(PolicyLossConfig("grpo"), normalization=step)
+    assert in_step == pytest.approx(alone / 4)  # one of 4 accumulated micro-batches
+    assert grad[0][1] == pytest.approx(-0.7 * 1.0 / 9 / 4)
+    # dapo divides by the step's tokens per rank (FSDP's average divides by 2 again).
+    token_sum = (-1.28 - 0.7 - 1.0) + (0.8 * 2.0 + 1.1 * 2.0 + 1.3 * 2.0) + (-1.25 * 0.5 - 0.45)
+    dapo, _, _ = run(PolicyLossConfig("dapo"), normalization=step)
+    assert dapo == pytest.approx(token_sum / (20 / 2))
+    no_tokens = StepNormalization(active_tokens=0, world_size=1, num_micro_batches=1)
+    assert run(PolicyLossConfig("cispo"), normalization=no_tokens)[0] != 0.0  # divisor >= 1
+    with pytest.raises(ValueError, match="not both"):
+        run(PolicyLossConfig("dapo"), normalization=step, num_items_in_batch=20)
+    with pytest.raises(ValueError, match="num_micro_batches must be >= 1"):
+        StepNormalization(active_tokens=1, world_size=1, num_micro_batches=0)
+
+
+# ------------------------------------------------------------------- objectives beyond the six
+
+
+def test_delta_caps_the_unclipped_ratio_of_negative_advantages() -> None:
+    # Row 1 (A = -2) has ratio 1.3 above 1 + eps: with delta 1.25 its term is capped at 1.25.
+    loss, grad, _ = run(PolicyLossConfig("bnpo", delta=1.25))
+    capped_sum = SUM_EPS02 - 1.3 * 2.0 + 1.25 * 2.0
+    assert loss == pytest.approx(capped_sum / 8)
+    assert grad[1][2] == 0.0  # the cap is constant in logp
+    assert grad[1][1] == pytest.approx(1.1 * 2.0 / 8)  # below delta: unchanged
+    with pytest.raises(ValueError, match="delta must be > 1 \\+ epsilon_high"):
+        PolicyLossConfig("grpo", delta=1.1)
+    with pytest.raises(ValueError, match="delta applies to the clipped objectives"):
+        PolicyLossConfig("cispo", delta=6.0)
+
+
+def test_sapo_soft_gate_value_and_gradient() -> None:
+    loss, grad, metrics = run(PolicyLossConfig("sapo"))
+
+    def gate(ratio: float, advantage: float) -> tuple[float, float]:
+        """Token loss and d/dlogp for temperature 1.0 (A > 0) or 1.05 (A <= 0)."""
+        tau = 1.0 if advantage > 0 else 1.05
+        sig = 1 / (1 + math.exp(-tau * (ratio - 1)))
+        return -sig * 4 / tau * advantage, -advantage * 4 * sig * (1 - sig) * ratio
+
+    rows = [[gate(RATIOS[i][t], ADVANTAGES[i]) for t in range(3) if MASK[i][t]] for i in range(3)]
+    assert loss == pytest.approx(sum(sum(v for v, _ in row) / len(row) for row in rows) / 3)
+    assert grad[1][0] == pytest.approx(rows[1][0][1] / (3 * 3))
+    assert grad[2][1] == pytest.approx(rows[2][1][1] / (3 * 2))
+    assert "clip_ratio/low" not in metrics
+    with pytest.raises(ValueError, match="no effect for objective 'sapo'"):
+        PolicyLossConfig("sapo", epsilon_high=0.2)
+
+
+def test_sequence_level_ratio_for_a_clipped_objective() -> None:
+    cfg = PolicyLossConfig("bnpo", importance_sampling_level="sequence")
+    assert cfg.sequence_level_ratio and not PolicyLossConfig("bnpo").sequence_level_ratio
+    loss, _, metrics = run(cfg)
+    # One ratio per row: the geometric mean of its active tokens' ratios, clipped to [0.8, 1.2].
+    seq = [
+        math.exp(sum(math.log(RATIOS[i][t]) for t in range(3) if MASK[i][t]) / sum(MASK[i]))
+        for i in range(3)
+    ]
+    token_sum = 0.0
+    for i in range(3):
+        clipped = min(max(seq[i], 0.8), 1.2)
+        term = -min(seq[i] * ADVANTAGES[i], clipped * ADVANTAGES[i])
+        token_sum += term * sum(MASK[i])
+    assert loss == pytest.approx(token_sum / 8)
+    assert metrics["ratio/mean"].item() == pytest.approx(sum(seq) / 3)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        PolicyLossConfig("grpo", importance_sampling_level="batch")
+
+
+def test_top_entropy_quantile_trains_only_high_entropy_tokens() -> None:
+    # Active tokens get entropies 1..8 in order; the masked token's 100 must not count.
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 100.0]])
+    cfg = PolicyLossConfig("bnpo", top_entropy_quantile=0.5)
+    loss, grad, metrics = run(cfg, entropy=entropy.double())
+    # Median of 1..8 is 4.5 (linear interpolation): tokens with entropy 5..8 train.
+    kept_sum = (1.1 * 2.0 + 1.3 * 2.0) + (-1.2 * 0.5 - 0.9 * 0.5)
+    assert loss == pytest.approx(kept_sum / 8)  # still divided by every active token
+    assert grad[0][1] == 0.0 and grad[1][0] == 0.0
+    assert grad[1][1] == pytest.approx(1.1 * 2.0 / 8)
+    assert metrics["entropy_mask/fraction"].item() == pytest.approx(4 / 8)
+    with pytest.raises(ValueError, match="needs the token entropies"):
+        run(cfg)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        PolicyLossConfig("grpo", top_entropy_quantile=0.0)
+
+
+def test_kl_bias_correction_multiplies_k3_by_the_ratio_even_on_policy() -> None:
+    # On-policy (ratio 1 in value), A = 0: only the KL term has a gradient.
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.8]], dtype=torch.float64)
+    zero_adv = torch.zeros(1, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+
+    def grad_of(cfg: PolicyLossConfig) -> list[float]:
+        logp.grad = None
+        loss, _ = policy_loss(logp, logp.detach(), zero_adv, mask, cfg, ref_logp=ref)
+        loss.backward()
+        return logp.grad[0].tolist()
+
+    beta = 0.5
+    plain = grad_of(PolicyLossConfig("bnpo", beta=beta))
+    corrected = grad_of(PolicyLossConfig("bnpo", beta=beta, kl_bias_correction=True))
+    for t, (lp, rf) in enumerate(((-1.0, -1.5), (-2.0, -1.8))):
+        k3 = math.exp(rf - lp) - (rf - lp) - 1
+        dk3 = 1 - math.exp(rf - lp)
+        assert plain[t] == pytest.approx(beta * dk3 / 2)
+        # d(k3 * w)/dlogp = dk3 * w + k3 * w with w = 1.
+        assert corrected[t] == pytest.approx(beta * (dk3 + k3) / 2)

@@ -6,6 +6,9 @@ helper) and, separately, the generator's own sampling log-probabilities; rewards
 calling the reward on the decoded texts.
 """
 
+import math
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -14,7 +17,12 @@ from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.models import qwen3_tiny
 from composer_tune.rewards import MathAnswerReward
 from composer_tune.rollout import generate
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, sequence_logprobs
+from composer_tune.rollout.rollouts import (
+    RolloutBatch,
+    collect_rollouts,
+    rollout_metrics,
+    sequence_logprobs,
+)
 
 GROUP = 4
 MAX_NEW = 6
@@ -222,3 +230,27 @@ def test_bad_arguments_are_named(tokenizer, samples) -> None:
             max_new_tokens=2,
             temperature=0.0,
         )
+
+
+def test_rollout_metrics_leave_unscored_rewards_out_and_count_them() -> None:
+    @dataclass
+    class Rows:
+        rewards: torch.Tensor
+        correct: torch.Tensor
+        completion_lengths: torch.Tensor
+        truncated: torch.Tensor
+
+        def __len__(self) -> int:
+            return self.rewards.numel()
+
+    rows = Rows(
+        rewards=torch.tensor([1.0, float("nan"), 0.0, 0.5]),
+        correct=torch.tensor([True, False, False, False]),
+        completion_lengths=torch.tensor([4, 8, 2, 2]),
+        truncated=torch.tensor([False, True, False, False]),
+    )
+    metrics = rollout_metrics(rows)
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # (1 + 0 + 0.5) / 3
+    assert metrics["reward/std"] == pytest.approx(math.sqrt((0.25 + 0.25 + 0) / 3))
+    assert metrics["reward/unscored"] == pytest.approx(0.25)
+    assert metrics["accuracy"] == pytest.approx(0.25)

@@ -15,7 +15,9 @@ from typing import Any, Protocol
 class RewardResult:
     """One completion's score.
 
-    score: the scalar the policy optimises.
+    score: the scalar the policy optimises; NaN when the completion cannot be scored (a
+        verifier that crashed or timed out): it then gets zero advantage, and its group's
+        statistics are taken over the scored completions only.
     correct: task success, for accuracy metrics (None when the reward has no notion of it,
         e.g. a format bonus).
     feedback: the verifier's message in plain text ("expected 42, got 41", failing test output).

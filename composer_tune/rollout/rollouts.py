@@ -322,24 +322,31 @@ def collect_rollouts(
 
 def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     """Reward, accuracy, length and truncation statistics over every rank's rollouts
-    (collective)."""
+    (collective). Reward statistics are over the scored rows; ``reward/unscored`` is the
+    fraction whose reward is NaN (the reward could not score them: zero advantage)."""
     rewards = rollout.rewards.double()
+    scored = ~torch.isnan(rewards)
+    scored_rewards = torch.where(scored, rewards, torch.zeros_like(rewards))
     lengths = rollout.completion_lengths.double()
     sums = torch.stack(
         [
             torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
-            rewards.sum(),
-            rewards.square().sum(),
+            scored.double().sum(),
+            scored_rewards.sum(),
+            scored_rewards.square().sum(),
             rollout.correct.double().sum(),
             lengths.sum(),
             rollout.truncated.double().sum(),
         ]
     )
-    count, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(sums).tolist()
-    mean = reward_sum / count
+    count, num_scored, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(
+        sums
+    ).tolist()
+    mean = reward_sum / max(num_scored, 1.0)
     return {
         "reward/mean": mean,
-        "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
+        "reward/std": math.sqrt(max(reward_sq / max(num_scored, 1.0) - mean**2, 0.0)),
+        "reward/unscored": (count - num_scored) / count,
         "accuracy": correct / count,
         "completion_length/mean": length_sum / count,
         "truncation_rate": truncated / count,
