@@ -11,7 +11,9 @@ completion ``y_w`` and a rejected one ``y_l``, the per-pair losses are:
 =========  ==============================================================================
 sigmoid    ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``; DPO (Rafailov et al.
            2023) with the conservative label smoothing ``eps`` of cDPO. Same semantics as
-           ``torchtune.rlhf.loss.DPOLoss`` and TRL's ``loss_type="sigmoid"``.
+           ``torchtune.rlhf.loss.DPOLoss``; TRL's ``loss_type="sigmoid"`` agrees at
+           ``eps = 0`` only, since TRL 1.16 ignores ``label_smoothing`` there (it reads it in
+           its robust and exo losses).
 ipo        ``(h - 1 / (2 beta))^2``; IPO (Azar et al. 2023, eq. 17, ``tau`` = ``beta``). As in
            TRL's ``loss_type="ipo"``, every log-prob in ``h`` (policy and reference) is the
            token AVERAGE over the completion, not the sum: the regression target
