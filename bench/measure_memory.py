@@ -1,4 +1,4 @@
-"""Measured peak memory of a Qwen3 training step vs ``composer_tune.memory``'s estimate.
+"""Measured peak memory of a Qwen3 training step vs ``composer_tune.analysis.memory``'s estimate.
 
 Each configuration runs in a fresh process (two under ``torch.distributed.run`` for FSDP2):
 build a random Qwen3, take one warm-up step (it creates the AdamW states), then measure a
@@ -23,7 +23,7 @@ How the peak is measured:
         --ac on --batch-size 4 --seq-len 4096 --chunk-size 1024 --peak-tflops 989
 
 On CUDA it also prints the step time and MFU = 6 N tokens / time / peak FLOP/s (N: parameters
-that take part in a matmul, see ``composer_tune.memory.count_matmul_params``).
+that take part in a matmul, see ``composer_tune.analysis.memory.count_matmul_params``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/measure_memory.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from composer_tune import memory  # noqa: E402
+from composer_tune.analysis import memory  # noqa: E402
 from composer_tune.models import DecoderArgs  # noqa: E402
 from composer_tune.rollout.generation import DEFAULT_PREFILL_CHUNK  # noqa: E402
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.rewards.base import Reward
-from composer_tune.rollout import generate
+from composer_tune.rollout import encode_prompts, generate
 
 
 @dataclass
@@ -42,18 +42,6 @@ class EvalResult:
             f"held-out accuracy {self.accuracy:.3f} over {self.num_samples} problems; "
             f"e.g. {self.examples[:2]}"
         )
-
-
-def encode_prompts(
-    tokenizer: Any, samples: Sequence[Mapping[str, Any]], *, enable_thinking: bool
-) -> list[list[int]]:
-    """Chat-template token ids of each sample's prompt, ending with the assistant header."""
-    return [
-        tokenizer.tokenize_messages(
-            sample["prompt"], add_generation_prompt=True, enable_thinking=enable_thinking
-        )[0]
-        for sample in samples
-    ]
 
 
 @torch.no_grad()

@@ -13,10 +13,10 @@ dpo.weight * DPO loss``:
 * channel 2, SDPO self-distillation (Composer 2.5's "targeted RL with textual feedback", as in
   A2 recipes/sdpo.py): a teacher (the policy itself, or its EMA) re-reads each rollout with a
   hint (verifier feedback, a successful sibling, the reference solution) and the student is
-  pulled toward it (composer_tune/sdpo/channel.py);
+  pulled toward it (composer_tune/channels/sdpo/channel.py);
 * channel 3, trace-replay DPO, this project's OWN research addition, NOT part of Cursor's
   published recipe (as in A3 recipes/replay_dpo.py): preference pairs mined from agent traces
-  replayed by teacher models (composer_tune/dpo_channel.py).
+  replayed by teacher models (composer_tune/channels/replay_dpo.py).
 
 A channel whose weight is 0 costs nothing: no rollouts when channels 1 and 2 are both off, no
 policy-loss forward without channel 1, no teacher batch, teacher forward or EMA teacher without
@@ -33,7 +33,7 @@ and after training.
 The recipe reads top to bottom: ``ComposerFullRecipe.setup()`` builds each part in a
 ``_setup_*`` method, ``train()`` is the loop. Copy the file and edit it; shared building blocks
 live in composer_tune/. The channels' config, their forward/backward per optimiser step, the
-pair stream and the EMA teacher's checkpoint state come from composer_tune/composer_step.py,
+pair stream and the EMA teacher's checkpoint state come from composer_tune/channels/composer.py,
 which recipes/diloco.py's inner loop uses too.
 """
 
@@ -50,13 +50,7 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
-from composer_tune.checkpointing.run_state import (
-    load_training_state,
-    remove_stale_staging,
-    resolve_resume_path,
-    save_run_checkpoint,
-)
-from composer_tune.composer_step import (
+from composer_tune.channels.composer import (
     ComposerChannels,
     ComposerObjective,
     PairChannel,
@@ -65,6 +59,14 @@ from composer_tune.composer_step import (
     load_ema_teacher_state,
     sample_rollouts,
 )
+from composer_tune.channels.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
+from composer_tune.checkpointing.run_state import (
+    load_training_state,
+    remove_stale_staging,
+    resolve_resume_path,
+    save_run_checkpoint,
+)
+from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
@@ -76,11 +78,9 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
-from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
-from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")

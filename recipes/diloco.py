@@ -14,7 +14,7 @@ Inner loop: the composer loop of A4 recipes/composer_full.py, any mix of the thr
 from config. Each inner optimiser step minimises ``loss.weight * policy loss + sdpo.weight *
 SDPO loss + dpo.weight * DPO loss`` (the ``loss``, ``sdpo`` and ``dpo`` sections have
 composer_full's keys, semantics and defaults; the step itself is
-composer_tune/composer_step.py's ``ComposerObjective``, which composer_full uses too):
+composer_tune/channels/composer.py's ``ComposerObjective``, which composer_full uses too):
 
 * channel 1, GRPO-family RL on verifiable rewards (Cursor's Composer 2.5 recipe): ``group_size``
   sampled completions per prompt, group-relative advantages, ``loss.objective``;
@@ -80,13 +80,7 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
-from composer_tune.checkpointing.run_state import (
-    load_training_state,
-    remove_stale_staging,
-    resolve_resume_path,
-    save_run_checkpoint,
-)
-from composer_tune.composer_step import (
+from composer_tune.channels.composer import (
     ComposerChannels,
     ComposerObjective,
     PairChannel,
@@ -95,6 +89,14 @@ from composer_tune.composer_step import (
     load_ema_teacher_state,
     sample_rollouts,
 )
+from composer_tune.channels.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
+from composer_tune.checkpointing.run_state import (
+    load_training_state,
+    remove_stale_staging,
+    resolve_resume_path,
+    save_run_checkpoint,
+)
+from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer, OuterStepMetrics
 from composer_tune.distributed import (
     all_reduce_sum,
@@ -107,11 +109,9 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
-from composer_tune.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
-from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
 

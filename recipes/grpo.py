@@ -36,6 +36,7 @@ from composer_tune.checkpointing.run_state import (
     resolve_resume_path,
     save_run_checkpoint,
 )
+from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
@@ -54,7 +55,7 @@ from composer_tune.losses import (
     needs_reference_model,
     policy_loss,
 )
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
@@ -62,7 +63,6 @@ from composer_tune.rollout.rollouts import (
     rollout_metrics,
     sequence_logprobs,
 )
-from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")

@@ -26,7 +26,7 @@ held-out pair split are measured before, during (``eval_every_n_steps``) and aft
 
 The recipe reads top to bottom: ``ReplayDPORecipe.setup()`` builds each part in a ``_setup_*``
 method, ``train()`` is the loop. Copy the file and edit it; shared building blocks live in
-composer_tune/ (channel-3 glue: composer_tune/dpo_channel.py).
+composer_tune/ (channel-3 glue: composer_tune/channels/replay_dpo.py).
 """
 
 import math
@@ -42,12 +42,20 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.channels.replay_dpo import (
+    DPOChannelConfig,
+    PairStream,
+    evaluate_pairs,
+    load_pair_splits,
+    reference_table,
+)
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
     save_run_checkpoint,
 )
+from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
@@ -55,13 +63,6 @@ from composer_tune.distributed import (
     peak_memory_metrics,
     setup_distributed,
     teardown_distributed,
-)
-from composer_tune.dpo_channel import (
-    DPOChannelConfig,
-    PairStream,
-    evaluate_pairs,
-    load_pair_splits,
-    reference_table,
 )
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
@@ -74,7 +75,7 @@ from composer_tune.losses import (
     policy_loss,
     preference_loss,
 )
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
@@ -82,7 +83,6 @@ from composer_tune.rollout.rollouts import (
     rollout_metrics,
     sequence_logprobs,
 )
-from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")

@@ -14,7 +14,7 @@ group-relative advantages (A1's channel 1, objective ``loss.objective``). Channe
 hint in its prompt -- the verifier's feedback, a successful sibling of the group, the reference
 solution (``sdpo.context``) -- and a token-level divergence (``sdpo.loss``) pulls the student's
 next-token distributions toward that teacher's. Both losses come from one student forward per
-micro-batch (composer_tune/sdpo/channel.py). With ``sdpo.weight: 0`` nothing of channel 2 runs and
+micro-batch (composer_tune/channels/sdpo/channel.py). With ``sdpo.weight: 0`` nothing of channel 2 runs and
 the updates are A1's exactly.
 
 The self-teacher is only as good as the policy's reading of its hint: a pretrained LLM reads one,
@@ -39,6 +39,15 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.channels.sdpo import (
+    SDPOChannelConfig,
+    TeacherBatch,
+    build_sdpo_teacher_batch,
+    distilled_token_count,
+    logprobs_with_sdpo,
+    reduce_sdpo_metrics,
+    select_teacher_rows,
+)
 from composer_tune.checkpointing.run_state import (
     full_model_state_dict,
     load_training_state,
@@ -46,6 +55,7 @@ from composer_tune.checkpointing.run_state import (
     resolve_resume_path,
     save_run_checkpoint,
 )
+from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
@@ -65,19 +75,9 @@ from composer_tune.losses import (
     needs_reference_model,
     policy_loss,
 )
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, rollout_metrics
-from composer_tune.sdpo import (
-    SDPOChannelConfig,
-    TeacherBatch,
-    build_sdpo_teacher_batch,
-    distilled_token_count,
-    logprobs_with_sdpo,
-    reduce_sdpo_metrics,
-    select_teacher_rows,
-)
-from composer_tune.warm_start import WarmStartSection, initial_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")

@@ -48,7 +48,7 @@ from composer_tune.distributed import (
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
-from composer_tune.model_setup import enable_autocast
+from composer_tune.models.build import enable_autocast
 
 
 @dataclass

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torchtune import training
 
 from composer_tune.distributed import all_reduce_sum, setup_distributed, teardown_distributed
-from composer_tune.model_setup import build_decoder
+from composer_tune.models.build import build_decoder
 
 WATCHED = (
     "tok_embeddings.weight",

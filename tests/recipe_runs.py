@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from composer_tune.metrics_log import Metrics, read_metrics
+from composer_tune.analysis.metrics_log import Metrics, read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TUNE = str(Path(sys.executable).parent / "tune")

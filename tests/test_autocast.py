@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from composer_tune.model_setup import enable_autocast
 from composer_tune.models import qwen3_tiny
+from composer_tune.models.build import enable_autocast
 from composer_tune.rollout import generate
 
 

@@ -12,7 +12,7 @@ replicas; every inner step trained channels 2 (SDPO) and 3 (trace-replay DPO) on
 a run resumed from the middle checkpoint continues at the saved pair position with the saved EMA
 teacher and ends with the same global weights (and the same channel-3 metrics) as the
 uninterrupted run. With one replica
-the inner steps log exactly composer_full's metrics (the shared composer_tune/composer_step.py
+the inner steps log exactly composer_full's metrics (the shared composer_tune/channels/composer.py
 step), a non-finite step is skipped in both yet keeps its place in the sync window, and the
 sync's outer step equals one computed here from composer_full's weights.
 
@@ -33,15 +33,15 @@ import torch
 from omegaconf import OmegaConf
 
 from composer_tune import config
+from composer_tune.channels.composer import PairChannel
+from composer_tune.channels.replay_dpo import DPOChannelConfig
 from composer_tune.checkpointing.run_state import (
     TRAINING_STATE,
     latest_checkpoint,
     load_model_weights,
 )
-from composer_tune.composer_step import PairChannel
 from composer_tune.diloco import split_into_fragments
 from composer_tune.distributed import DistInfo
-from composer_tune.dpo_channel import DPOChannelConfig
 from composer_tune.models import qwen3_tiny
 from recipes.composer_full import TIMING_METRICS, ComposerFullConfig
 from recipes.diloco import DiLoCoRecipe, DiLoCoRecipeConfig

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from composer_tune import config
+from composer_tune.analysis.metrics_log import parse_metric_lines
 from composer_tune.checkpointing.run_state import PAUSE_IN_SAVE_ENV, latest_checkpoint
-from composer_tune.metrics_log import parse_metric_lines
 from recipes.grpo import TIMING_METRICS, GRPOConfig, GRPORecipe
 from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe, run_tune
 
@@ -253,9 +253,9 @@ if __name__ == "__main__":
 def test_warm_start_trains_once_then_reuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    from composer_tune.checkpointing.warm_start import WarmStartSection, resolve_warm_start
     from composer_tune.distributed import setup_distributed
     from composer_tune.recipe_finder import MARKER
-    from composer_tune.warm_start import WarmStartSection, resolve_warm_start
 
     (tmp_path / "recipes" / "configs" / "fake_sft").mkdir(parents=True)
     (tmp_path / "recipes" / "__init__.py").write_text(f'"""{MARKER}"""\n')

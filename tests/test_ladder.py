@@ -1,4 +1,4 @@
-"""tools/ladder.py and composer_tune/metrics_log.py.
+"""tools/ladder.py and composer_tune/analysis/metrics_log.py.
 
 Fast: the DiskLogger parser against lines written here from known values; the ladder's table
 (accuracy at fixed steps as mean ± sample std, wall time, generated tokens, seeds) and plot
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from composer_tune.metrics_log import parse_metric_lines, read_metrics, series
+from composer_tune.analysis.metrics_log import parse_metric_lines, read_metrics, series
 from tests.recipe_runs import REPO_ROOT, RecipeRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

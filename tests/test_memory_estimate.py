@@ -1,4 +1,4 @@
-"""The memory estimator (composer_tune/memory.py) and its CLI (tools/estimate_memory.py).
+"""The memory estimator (composer_tune/analysis/memory.py) and its CLI (tools/estimate_memory.py).
 
 Each formula is checked against an independent source: parameter counts against the real
 (meta-device) model, per-layer saved activations against the tensors autograd actually saves,
@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from composer_tune import memory
+from composer_tune.analysis import memory
 from composer_tune.models import DecoderArgs, decoder_from_args, qwen3_8b, qwen3_32b
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from composer_tune.channels.dpo_reference import compute_reference_logps, reference_cache_path
 from composer_tune.data.preference import (
     PreferenceDataError,
     PreferenceDataset,
     collate_preference,
-    compute_reference_logps,
     heldout_bucket,
     load_pair_rows,
     pair_id,
-    reference_cache_path,
 )
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.dpo import DPOLossConfig, completion_targets, dpo_loss, preference_loss

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
-from composer_tune.composer_step import ComposerChannels
+from composer_tune.channels.composer import ComposerChannels
 from composer_tune.config import available_configs, load_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

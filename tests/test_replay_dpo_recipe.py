@@ -23,11 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from composer_tune.channels.replay_dpo import (
+    DPOChannelConfig,
+    PairStream,
+    evaluate_pairs,
+    load_pair_splits,
+)
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.data.preference import PreferenceDataset
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo
-from composer_tune.dpo_channel import DPOChannelConfig, PairStream, evaluate_pairs, load_pair_splits
 from composer_tune.losses.dpo import dpo_loss
 from composer_tune.models import qwen3_tiny
 from tests.recipe_runs import REPO_ROOT, RecipeRun, run_recipe

@@ -1,4 +1,4 @@
-"""The SDPO channel of a micro-batch (composer_tune/sdpo/channel.py) on a tiny random Qwen3.
+"""The SDPO channel of a micro-batch (composer_tune/channels/sdpo/channel.py) on a tiny random Qwen3.
 
 The reference values are computed independently: the teacher's prompt is written out by hand
 (not through ``insert_hint``), both sides' full-vocabulary logits come from plain forwards
@@ -13,12 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from composer_tune.data.tokenizer import ChatTokenizer
-from composer_tune.losses.distill import DistillConfig, EMATeacher
-from composer_tune.models import qwen3_tiny
-from composer_tune.rollout.generation import pack_sequences
-from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
-from composer_tune.sdpo import (
+from composer_tune.channels.sdpo import (
     SDPOChannelConfig,
     TeacherContextConfig,
     build_sdpo_teacher_batch,
@@ -27,6 +22,11 @@ from composer_tune.sdpo import (
     sdpo_channel_loss,
     select_teacher_rows,
 )
+from composer_tune.data.tokenizer import ChatTokenizer
+from composer_tune.losses.distill import DistillConfig, EMATeacher
+from composer_tune.models import qwen3_tiny
+from composer_tune.rollout.generation import pack_sequences
+from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
 from tests.recipe_runs import REPO_ROOT
 
 QUESTIONS = ("What is 12 + 7?", "What is 30 - 4?", "What is 5 + 5?")

@@ -13,6 +13,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from composer_tune.channels.sdpo import (
+    TeacherContextConfig,
+    build_teacher_batch,
+    prediction_positions,
+    strip_reasoning,
+)
 from composer_tune.data.gsm8k import GSM8K
 from composer_tune.data.synthetic import SyntheticArithmetic
 from composer_tune.data.tokenizer import ChatTokenizer
@@ -21,12 +27,6 @@ from composer_tune.losses.logprobs import naive_token_logprobs
 from composer_tune.models import qwen3_tiny
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rollout.generation import pack_sequences
-from composer_tune.sdpo import (
-    TeacherContextConfig,
-    build_teacher_batch,
-    prediction_positions,
-    strip_reasoning,
-)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SUFFIX = "\n\nCorrectly solve the original question."

@@ -19,11 +19,15 @@ import torch
 from omegaconf import OmegaConf
 
 from composer_tune import config
+from composer_tune.analysis.metrics_log import parse_metric_lines
+from composer_tune.channels.sdpo import (
+    SDPOChannelConfig,
+    build_sdpo_teacher_batch,
+    sdpo_channel_loss,
+)
+from composer_tune.channels.sdpo.diagnostics import gold_answer_gap, gold_answer_rollouts
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
-from composer_tune.metrics_log import parse_metric_lines
-from composer_tune.sdpo import SDPOChannelConfig, build_sdpo_teacher_batch, sdpo_channel_loss
-from composer_tune.sdpo.diagnostics import gold_answer_gap, gold_answer_rollouts
 from recipes.grpo import GRPOConfig, GRPORecipe
 from recipes.sdpo import TIMING_METRICS, SDPOConfig, SDPORecipe
 from tests.recipe_runs import REPO_ROOT, RecipeRun, load_tool

@@ -22,7 +22,7 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/estimate_memory.py` from any
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from composer_tune import memory  # noqa: E402
+from composer_tune.analysis import memory  # noqa: E402
 from composer_tune.config import ConfigError, resolve_config_path  # noqa: E402
 
 # Flag name -> MemoryPlan field; None defaults mean "not given".

@@ -32,10 +32,9 @@ from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR  # noqa: E402
 from composer_tune.data.gsm8k import GSM8K  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
-from composer_tune.evaluation import encode_prompts  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
 from composer_tune.rewards.answer import extract_answer, final_response  # noqa: E402
-from composer_tune.rollout import generate  # noqa: E402
+from composer_tune.rollout import encode_prompts, generate  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SOURCE = str(REPO_ROOT / "tests" / "assets" / "gsm8k")

@@ -44,9 +44,8 @@ import torch  # noqa: E402
 from composer_tune import config  # noqa: E402
 from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.data.pairs import MODES, PairRules, write_pairs  # noqa: E402
-from composer_tune.evaluation import encode_prompts  # noqa: E402
-from composer_tune.model_setup import enable_autocast  # noqa: E402
-from composer_tune.rollout import generate  # noqa: E402
+from composer_tune.models.build import enable_autocast  # noqa: E402
+from composer_tune.rollout import encode_prompts, generate  # noqa: E402
 
 # One teacher per wording; the hint follows the question in the user turn. SmolLM2-135M-Instruct
 # follows these three best of the wordings tried on 512 training problems (greedy reply's last

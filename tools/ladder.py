@@ -82,9 +82,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from composer_tune.analysis.metrics_log import Metrics, read_metrics, series  # noqa: E402
 from composer_tune.checkpointing.run_state import latest_checkpoint  # noqa: E402
 from composer_tune.config import load_config  # noqa: E402
-from composer_tune.metrics_log import Metrics, read_metrics, series  # noqa: E402
 
 TUNE = str(Path(sys.executable).parent / "tune")
 ACCURACY, REWARD, COMPLETION_LENGTH = "eval/accuracy", "reward/mean", "completion_length/mean"

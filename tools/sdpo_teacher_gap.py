@@ -28,10 +28,10 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/sdpo_teacher_gap.py` from an
 from omegaconf import OmegaConf  # noqa: E402
 
 from composer_tune import config  # noqa: E402
+from composer_tune.channels.sdpo import SDPOChannelConfig  # noqa: E402
+from composer_tune.channels.sdpo.diagnostics import gold_answer_gap  # noqa: E402
 from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint  # noqa: E402
-from composer_tune.sdpo import SDPOChannelConfig  # noqa: E402
-from composer_tune.sdpo.diagnostics import gold_answer_gap  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,29 +38,26 @@ Batches (:func:`collate_preference`): chosen rows then rejected rows in one righ
 ``PackedBatch`` (one forward over ``2B`` rows), targets aligned as in
 ``composer_tune.rollout.generation`` (target ``t`` predicted from position ``t - 1``).
 
-Reference log-probs (:func:`compute_reference_logps`): summed completion log-probs of the frozen
-initial policy, computed once and cached as JSON, one file per reference-model fingerprint,
-entries keyed by pair id + a hash of the exact token ids scored (so a changed tokenizer, chat
-rendering or truncation limit misses the cache instead of reusing a stale value).
+The reference log-probs that batches carry are computed (model forwards) in
+``composer_tune.channels.dpo_reference``; each pair's ``cache_key`` (pair id + a hash of the exact
+token ids scored) keys them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import Dataset
 
 from composer_tune.data.tokenizer import ChatTokenizer
-from composer_tune.losses.dpo import completion_logps
 from composer_tune.rollout.generation import PackedBatch, pack_sequences
 
 Split = Literal["train", "heldout", "all"]
@@ -70,7 +67,6 @@ PAIR_FIELDS = ("prompt_messages", "tools_json", "chosen", "rejected", "provenanc
 # from (machine-dependent) nor the mining decision (mode, chosen_from), so re-mining the same
 # steps with other rules keeps every step on its side of the split.
 _STEP_IDENTITY = ("source_format", "session_id", "step_index", "record_ids", "is_sidechain")
-_CACHE_VERSION = 1
 
 
 class PreferenceDataError(ValueError):
@@ -459,7 +455,7 @@ def collate_preference(
         examples: the pairs.
         pad_id: padding token (``tokenizer.pad_id``).
         reference: ``cache_key -> (chosen_logp, rejected_logp)`` from
-            :func:`compute_reference_logps`; when given, the batch carries the reference
+            :func:`composer_tune.channels.dpo_reference.compute_reference_logps`; when given, the batch carries the reference
             log-probs, and a pair missing from it raises ``KeyError`` naming the pair.
     """
     if not examples:
@@ -481,127 +477,3 @@ def collate_preference(
         )
         batch.reference_chosen_logps, batch.reference_rejected_logps = values[:, 0], values[:, 1]
     return batch
-
-
-# --------------------------------------------------------------------------- reference log-probs
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """SHA-256 of the model's state dict (names, dtypes, shapes and values): the reference
-    checkpoint's identity for the cache. Reads every weight once (seconds for billions of
-    parameters); a sharded (DTensor) model hashes each rank's local shard."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        data = local.detach().cpu().contiguous()
-        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}\n".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()
-
-
-def reference_cache_path(cache_dir: str | Path, fingerprint: str) -> Path:
-    """The cache file of one reference model in ``cache_dir``."""
-    return Path(cache_dir) / f"reference_logps_{fingerprint[:24]}.json"
-
-
-def _read_cache(path: Path, fingerprint: str) -> dict[str, tuple[float, float]]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(
-            f"{path}: corrupt reference log-prob cache ({error}); delete it"
-        ) from error
-    if data.get("version") != _CACHE_VERSION or data.get("model_fingerprint") != fingerprint:
-        raise ValueError(
-            f"{path}: cache written for another model or format version; delete it or use "
-            "another cache_dir"
-        )
-    return {key: (float(pair[0]), float(pair[1])) for key, pair in data["entries"].items()}
-
-
-def _write_cache(path: Path, fingerprint: str, entries: Mapping[str, tuple[float, float]]) -> None:
-    """Write atomically (temp file + rename): a crash never leaves a half-written cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    payload = {
-        "version": _CACHE_VERSION,
-        "model_fingerprint": fingerprint,
-        "entries": {key: list(value) for key, value in sorted(entries.items())},
-    }
-    try:
-        temp.write_text(json.dumps(payload), encoding="utf-8")
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-@torch.no_grad()
-def compute_reference_logps(
-    model: nn.Module,
-    dataset: Sequence[PreferenceExample],
-    *,
-    pad_id: int,
-    batch_size: int = 8,
-    chunk_size: int = 1024,
-    cache_dir: str | Path | None = None,
-    fingerprint: str | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, tuple[float, float]]:
-    """Summed completion log-probs of the frozen reference for every pair of ``dataset``.
-
-    Args:
-        model: the reference (the initial policy), put in eval mode; no gradients are taken.
-        dataset: rendered pairs (a :class:`PreferenceDataset`).
-        pad_id: padding token.
-        batch_size: pairs per forward (``2 * batch_size`` rows).
-        chunk_size: rows per chunk of the log-prob head (``composer_tune.losses.logprobs``).
-        cache_dir: if set, values are read from / added to this reference model's cache file
-            there (see :func:`reference_cache_path`); only missing pairs are computed, and the
-            file is rewritten atomically when anything was added.
-        fingerprint: the reference model's identity; default :func:`model_fingerprint`.
-        device: where to run the batches; default the model's first parameter's device.
-        progress: called with the number of pairs computed after each batch (e.g. a tqdm
-            ``update``).
-
-    Returns:
-        ``cache_key -> (chosen_logp, rejected_logp)`` for every pair of ``dataset``: the
-        ``reference`` argument of :func:`collate_preference`.
-
-    Under FSDP the forward is collective: every rank must call this with the same dataset and
-    computes every pair. A sharded model's default fingerprint is per rank (each hashes its
-    shard), so pass one ``fingerprint`` to all ranks (e.g. a hash of the checkpoint) to share
-    one cache file; concurrent writers are safe (each renames its own temp file into place).
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    cache_path = None
-    cached: dict[str, tuple[float, float]] = {}
-    if cache_dir is not None:
-        fingerprint = fingerprint or model_fingerprint(model)
-        cache_path = reference_cache_path(cache_dir, fingerprint)
-        cached = _read_cache(cache_path, fingerprint)
-    if device is None:
-        device = next(model.parameters()).device
-    todo = [example for example in dataset if example.cache_key not in cached]
-    computed: dict[str, tuple[float, float]] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(todo), batch_size):
-            examples = todo[start : start + batch_size]
-            batch = collate_preference(examples, pad_id=pad_id).to(device)
-            logps, _ = completion_logps(model, batch.packed, chunk_size=chunk_size)
-            chosen, rejected = batch.split(logps.double().cpu())
-            for example, chosen_logp, rejected_logp in zip(examples, chosen, rejected, strict=True):
-                computed[example.cache_key] = (float(chosen_logp), float(rejected_logp))
-            if progress is not None:
-                progress(len(examples))
-    finally:
-        model.train(was_training)
-    if cache_path is not None and computed:
-        _write_cache(cache_path, fingerprint, {**cached, **computed})
-    table = {**cached, **computed}
-    return {example.cache_key: table[example.cache_key] for example in dataset}

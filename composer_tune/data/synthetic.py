@@ -17,7 +17,7 @@ Two knobs shape the *demonstrations* (the ``target`` an SFT run imitates), never
   stand-in for the systematic mistakes of real demonstration data, which imitation learns and a
   verifiable reward may unlearn (an experiment the knob makes possible).
 * ``hint_rate``: the share of samples whose question carries a hint that reveals the answer,
-  in the wordings of SDPO's teacher contexts (composer_tune/sdpo/contexts.py). SDPO's
+  in the wordings of SDPO's teacher contexts (composer_tune/channels/sdpo/contexts.py). SDPO's
   self-teacher relies on the model reading a hint, which pretrained LLMs do and a model trained
   from scratch on bare questions does not. Hinted demonstrations are always correct.
 

@@ -2,7 +2,7 @@
 
 Channel 2 of the Composer recipe (SDPO, arXiv 2601.20802; OPSD, arXiv 2601.18734): a teacher
 re-scores the student's own completion tokens in a context that adds a hint
-(:mod:`composer_tune.sdpo.contexts`), and a token-level divergence pulls the student's
+(:mod:`composer_tune.channels.sdpo.contexts`), and a token-level divergence pulls the student's
 next-token distribution toward the teacher's, with stop-gradient through the teacher.
 
 Divergence, following TRL's GKD ``generalized_jsd_loss`` (Agarwal et al., arXiv 2306.13649, Eq. 1)
@@ -225,7 +225,7 @@ def distill_loss(
         output_module: the student's output projection ``[n, D] -> [n, V]``.
         student_positions: ``long[B, C]``: ``student_hidden[b, student_positions[b, j]]``
             predicts completion token ``j`` of row ``b``
-            (:func:`composer_tune.sdpo.prediction_positions` of the packed student batch).
+            (:func:`composer_tune.channels.sdpo.prediction_positions` of the packed student batch).
         targets: ``long[B, C]``, the student's completion tokens (for the log-prob metrics and
             the importance ratio; entries at invalid positions are not read).
         completion_mask: ``bool[B, C]``, True on real completion tokens (False on padding).

@@ -241,7 +241,7 @@ def preference_loss(
 
     One policy forward over the batch's ``2B`` rows (chosen then rejected). Reference log-probs
     come from the batch (collated with a table from
-    ``composer_tune.data.preference.compute_reference_logps``) or, when ``reference_model`` is
+    ``composer_tune.channels.dpo_reference.compute_reference_logps``) or, when ``reference_model`` is
     given, from a no-grad forward of it on the same rows (the on-the-fly mode).
     """
     logps, counts = completion_logps(policy, batch.packed, chunk_size=chunk_size)

@@ -3,12 +3,20 @@
 from composer_tune.rollout.generation import (
     GenerationOutput,
     PackedBatch,
+    encode_prompts,
     generate,
     pack_sequences,
     sample_next_token,
 )
 
-__all__ = ["GenerationOutput", "PackedBatch", "generate", "pack_sequences", "sample_next_token"]
+__all__ = [
+    "GenerationOutput",
+    "PackedBatch",
+    "encode_prompts",
+    "generate",
+    "pack_sequences",
+    "sample_next_token",
+]
 from composer_tune.rollout.rollouts import (  # noqa: E402
     RolloutBatch,
     collect_rollouts,

@@ -17,8 +17,9 @@ result does not depend on what else is in the batch.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -246,7 +247,7 @@ def sample_next_token(
 
 def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     """Device and compute dtype of the model (where and how to build caches): its parameters'
-    floating dtype, or the autocast dtype :func:`~composer_tune.model_setup.enable_autocast`
+    floating dtype, or the autocast dtype :func:`~composer_tune.models.build.enable_autocast`
     recorded (its keys and values are computed in that dtype)."""
     for param in model.parameters():
         if param.is_floating_point():
@@ -561,3 +562,15 @@ def pack_sequences(
         prompt_lengths=prompt_lengths,
         completion_lengths=completion_lengths,
     )
+
+
+def encode_prompts(
+    tokenizer: Any, samples: Sequence[Mapping[str, Any]], *, enable_thinking: bool
+) -> list[list[int]]:
+    """Chat-template token ids of each sample's prompt, ending with the assistant header."""
+    return [
+        tokenizer.tokenize_messages(
+            sample["prompt"], add_generation_prompt=True, enable_thinking=enable_thinking
+        )[0]
+        for sample in samples
+    ]

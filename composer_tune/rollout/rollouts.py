@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
 from composer_tune.rewards.base import Reward
-from composer_tune.rollout.generation import generate, pack_sequences
+from composer_tune.rollout.generation import encode_prompts, generate, pack_sequences
 
 
 @dataclass
@@ -247,7 +247,6 @@ def collect_rollouts(
     Returns:
         A :class:`RolloutBatch` of ``len(samples) * group_size`` rows, on the policy's device.
     """
-    from composer_tune.evaluation import encode_prompts  # evaluation imports this package
 
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from composer_tune.evaluation import encode_prompts
+from composer_tune.channels.sdpo.channel import SDPOChannelConfig, build_sdpo_teacher_batch
 from composer_tune.rewards import MathAnswerReward
+from composer_tune.rollout import encode_prompts
 from composer_tune.rollout.generation import pack_sequences
 from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
-from composer_tune.sdpo.channel import SDPOChannelConfig, build_sdpo_teacher_batch
 
 
 def gold_answer_rollouts(

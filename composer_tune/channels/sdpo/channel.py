@@ -7,7 +7,7 @@ definition of what the SDPO term of a micro-batch is:
 
 1. :func:`build_sdpo_teacher_batch`: the teacher's sequences for a batch of rollouts -- the
    prompt with a hint (verifier feedback, a successful sibling, the reference solution) followed
-   by the student's own completion ids (:mod:`composer_tune.sdpo.contexts`). Build it once per
+   by the student's own completion ids (:mod:`composer_tune.channels.sdpo.contexts`). Build it once per
    generation batch so every row sees its whole group of siblings, then take each micro-batch's
    rows with :func:`select_teacher_rows`.
 2. The teacher's forward, under ``torch.no_grad()``: the current policy itself
@@ -39,16 +39,16 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from composer_tune.distributed import all_reduce_sum
-from composer_tune.losses.distill import DistillConfig, DistillOutput, distill_loss, teacher_topk
-from composer_tune.rewards.base import RewardResult
-from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
-from composer_tune.sdpo.contexts import (
+from composer_tune.channels.sdpo.contexts import (
     TeacherBatch,
     TeacherContextConfig,
     build_teacher_batch,
     prediction_positions,
 )
+from composer_tune.distributed import all_reduce_sum
+from composer_tune.losses.distill import DistillConfig, DistillOutput, distill_loss, teacher_topk
+from composer_tune.rewards.base import RewardResult
+from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
 
 TEACHERS = ("current", "ema")
 # Per-micro-batch metrics that are means over valid (distilled) tokens, and over rows.

@@ -28,14 +28,13 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from composer_tune.channels.dpo_reference import compute_reference_logps, model_fingerprint
 from composer_tune.data.preference import (
     PreferenceBatch,
     PreferenceDataset,
     PreferenceExample,
     ReferenceTable,
     collate_preference,
-    compute_reference_logps,
-    model_fingerprint,
 )
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, all_reduce_sum

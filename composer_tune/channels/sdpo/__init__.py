@@ -4,7 +4,7 @@ The loss lives in :mod:`composer_tune.losses.distill`; this package builds what 
 reads.
 """
 
-from composer_tune.sdpo.contexts import (
+from composer_tune.channels.sdpo.contexts import (
     HINT_SOURCES,
     TeacherBatch,
     TeacherContextConfig,
@@ -27,7 +27,7 @@ __all__ = [
     "strip_reasoning",
     "succeeded",
 ]
-from composer_tune.sdpo.channel import (  # noqa: E402  (appended: the per-micro-batch channel)
+from composer_tune.channels.sdpo.channel import (  # noqa: E402  (appended: the per-micro-batch channel)
     SDPOChannelConfig,
     build_sdpo_teacher_batch,
     distilled_token_count,

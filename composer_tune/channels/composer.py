@@ -9,10 +9,10 @@ dpo.weight * DPO loss``:
 * channel 1, GRPO-family RL on verifiable rewards (Cursor's Composer 2.5 recipe;
   ``composer_tune.losses.policy``);
 * channel 2, SDPO self-distillation (Composer 2.5's "targeted RL with textual feedback";
-  ``composer_tune.sdpo.channel``);
+  ``composer_tune.channels.sdpo.channel``);
 * channel 3, trace-replay DPO on preference pairs mined from agent traces replayed by teacher
   models: this project's OWN research addition, NOT part of Cursor's published recipe
-  (``composer_tune.dpo_channel``).
+  (``composer_tune.channels.replay_dpo``).
 
 What is here:
 
@@ -42,16 +42,25 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import training
 
-from composer_tune.checkpointing.run_state import full_model_state_dict
-from composer_tune.data.preference import PreferenceBatch
-from composer_tune.distributed import DistInfo, all_reduce_sum
-from composer_tune.dpo_channel import (
+from composer_tune.channels.replay_dpo import (
     DPOChannelConfig,
     PairStream,
     evaluate_pairs,
     load_pair_splits,
     reference_table,
 )
+from composer_tune.channels.sdpo.channel import (
+    SDPOChannelConfig,
+    distilled_token_count,
+    logprobs_with_sdpo,
+    reduce_sdpo_metrics,
+    sdpo_channel_loss,
+    select_teacher_rows,
+)
+from composer_tune.channels.sdpo.contexts import TeacherBatch
+from composer_tune.checkpointing.run_state import full_model_state_dict
+from composer_tune.data.preference import PreferenceBatch
+from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses import (
     PolicyLossConfig,
     apply_kl_to_rewards,
@@ -67,15 +76,6 @@ from composer_tune.rollout.rollouts import (
     collect_rollouts,
     sequence_logprobs,
 )
-from composer_tune.sdpo.channel import (
-    SDPOChannelConfig,
-    distilled_token_count,
-    logprobs_with_sdpo,
-    reduce_sdpo_metrics,
-    sdpo_channel_loss,
-    select_teacher_rows,
-)
-from composer_tune.sdpo.contexts import TeacherBatch
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -419,7 +419,7 @@ class PairChannel:
 
     Loads the train and held-out pair splits, the reference table (``dpo.reference:
     precomputed``: from the resumed run's state, else scored now by ``model``, which before the
-    first step is the initial policy), and a :class:`~composer_tune.dpo_channel.PairStream`.
+    first step is the initial policy), and a :class:`~composer_tune.channels.replay_dpo.PairStream`.
     Pairs are dealt like prompts: over ``num_replicas`` replicas of ``dist.world_size`` ranks
     each, every rank of every replica gets its own disjoint share, ``dpo.pairs_per_step`` per
     replica and step. ``state`` is a resumed run's recipe state (``{}`` for a fresh run);
