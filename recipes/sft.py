@@ -57,6 +57,8 @@ class SFTConfig(config.TrainingConfig):
     eval_dataset: Any = None  # held-out examples; null skips evaluation
     eval_reward: Any = None  # verifiable reward that decides held-out correctness
     batch_size: int = 16
+    # Batches per optimiser step (the RL recipes accumulate over micro_batch_size rows instead).
+    gradient_accumulation_steps: int = 1
     # Qwen3's template: false pre-fills an empty <think></think> block in the generation prompt.
     enable_thinking: bool = False
     eval_every_n_steps: int = 0  # 0: evaluate only before and after training

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import DictConfig
 
 from composer_tune.channels.composer import ComposerChannels
-from composer_tune.config import available_configs, load_config
+from composer_tune.config import ConfigError, available_configs, load_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SCHEMAS = {
@@ -55,3 +55,18 @@ def test_composer_channels_parse(recipe: str, name: str) -> None:
     (interpolations into other sections included), with channel 2 on."""
     channels = ComposerChannels.from_config(_load(recipe, name))
     assert channels.sdpo.enabled
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "sdpo", "replay_dpo", "composer_full", "diloco"])
+def test_rl_recipes_reject_gradient_accumulation_steps(recipe: str) -> None:
+    """The RL recipes accumulate over micro_batch_size rows; an SFT-only key they would ignore
+    is an error naming it, not a silent no-op."""
+    module = importlib.import_module(f"recipes.{recipe}")
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        load_config(
+            "cpu_smoke",
+            ["gradient_accumulation_steps=2"],
+            recipe_file=RECIPES / f"{recipe}.py",
+            schema=getattr(module, SCHEMAS[recipe]),
+        )
+    assert _load("sft", "cpu_smoke").gradient_accumulation_steps == 1  # SFT keeps it

@@ -670,9 +670,9 @@ def plan_from_config(cfg: DictConfig, *, world_size: int | None = None, **flags:
         ("param_dtype", "dtype"),
         ("activation_checkpointing", "enable_activation_checkpointing"),
         ("logprob_chunk_size", "logprob_chunk_size"),
-        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
     ):
         read(name, schema_defaults[schema_key], f"default of TrainingConfig.{schema_key}")
+    read("gradient_accumulation_steps", 1, "default: 1 (an SFT key; RL recipes use micro-batches)")
     read("micro_batch_size", 1, "default: 1 sequence per forward")
     offload = read("cpu_offload", False, "default: no offload")
     read("master_weights", False, "default: parameters stored in param_dtype")

@@ -48,7 +48,6 @@ class TrainingConfig:
     optimizer: Any = MISSING
     lr_scheduler: Any = None
     max_steps: int = MISSING
-    gradient_accumulation_steps: int = 1
     # Max global gradient norm; null disables clipping.
     clip_grad_norm: float | None = 1.0
     enable_activation_checkpointing: bool = False
