@@ -80,16 +80,15 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
-from composer_tune.channels.composer import (
-    ComposerChannels,
-    ComposerObjective,
-    PairChannel,
-    ema_teacher_state,
-    group_advantages,
-    load_ema_teacher_state,
-    sample_rollouts,
-)
+from composer_tune.channels.composer import ComposerChannels, ComposerObjective
+from composer_tune.channels.policy import group_advantages, sample_rollouts
+from composer_tune.channels.replay_dpo import PairChannel
 from composer_tune.channels.sdpo.channel import build_sdpo_teacher_batch, select_teacher_rows
+from composer_tune.channels.sdpo.teacher import (
+    check_teacher_length,
+    ema_teacher_state,
+    load_ema_teacher_state,
+)
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -202,7 +201,7 @@ class DiLoCoRecipe:
         cfg = self.cfg
         # The three channels' sections (loss, sdpo, dpo), checked; a channel at weight 0 is
         # off and nothing below is built for it.
-        self.channels = ComposerChannels.from_config(cfg)
+        self.channels = ComposerChannels.from_config(cfg, self.dist)
         self._check_batch_layout(cfg)
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
@@ -211,10 +210,11 @@ class DiLoCoRecipe:
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
+        check_teacher_length(self.channels.sdpo, self.model.max_seq_len)
         # The reference is the starting policy, never a resumed one, and only exists for KL or
         # for DPO scoring pairs live.
         self.reference = (
-            self._setup_reference(cfg, initial) if self.channels.needs_reference_model else None
+            self._setup_reference(cfg, initial) if self.channels.builds_reference_model else None
         )
         self.ema_teacher = self._setup_ema_teacher(cfg, resume_path or initial)
         # The inner step's objective: forward/backward of every channel that is on.
@@ -366,7 +366,7 @@ class DiLoCoRecipe:
         """Channel 2's EMA teacher (``sdpo.teacher: ema``) of this replica's weights, held in
         float32 so that small updates are not rounded away; None otherwise. A resumed run
         restores its average in ``_restore``."""
-        if not self.channels.ema_teacher:
+        if not self.channels.uses_ema_teacher:
             return None
         module = self._build_model(cfg, checkpoint, dtype=torch.float32)
         return EMATeacher(self.model, self.channels.sdpo.ema_rate, teacher=module)
@@ -461,19 +461,20 @@ class DiLoCoRecipe:
                         self.model,
                         next(prompt_batches),
                         cfg,
-                        self.channels,
                         tokenizer=self.tokenizer,
                         reward=self.reward,
                         generator=self.sampling_generator,
-                        reference=self.reference,
-                        on_policy=self._on_policy(),
+                        reference=self.reference if self.channels.kl_reference else None,
+                        compute_old_logp=self.channels.needs_old_logp(self._on_policy()),
                         sync_ranks=self.dist.is_distributed,
                     )
                     batch_metrics = rollout_metrics(rollout)
                 # 2. Channel 1: group-relative advantages (after the KL penalty, kl_mode=reward).
                 advantages = None
                 if self.channels.policy_weight > 0:
-                    advantages = group_advantages(rollout, self.channels, cfg.group_size, self.dist)
+                    advantages = group_advantages(
+                        rollout, self.channels.loss, cfg.group_size, self.dist
+                    )
                 # 3. Channel 2: the teacher's contexts, once over the whole generation batch so
                 # every row sees its group's siblings.
                 teacher_batch = None

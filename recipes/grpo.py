@@ -30,6 +30,12 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.channels.policy import (
+    group_advantages,
+    kl_in_reward,
+    sample_rollouts,
+    step_normalization,
+)
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -49,9 +55,6 @@ from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses import (
     PolicyLossConfig,
-    apply_kl_to_rewards,
-    apply_truncation_mask,
-    compute_advantages,
     needs_reference_model,
     policy_loss,
 )
@@ -59,7 +62,6 @@ from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
-    collect_rollouts,
     rollout_metrics,
     sequence_logprobs,
 )
@@ -292,7 +294,10 @@ class GRPORecipe:
             rollout = self._rollout(next(prompt_batches))
             batch_metrics = rollout_metrics(rollout)
             # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = self._advantages(rollout) * cfg.advantage_sign
+            advantages = (
+                group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
+                * cfg.advantage_sign
+            )
             # 3. Optimiser steps on the generation batch: its slices, num_iterations times.
             rows_per_step = len(rollout) // cfg.steps_per_generation
             for iteration in range(cfg.num_iterations):
@@ -356,55 +361,21 @@ class GRPORecipe:
             self.batches_in_epoch = 0
 
     def _rollout(self, samples: list[dict[str, Any]]) -> RolloutBatch:
-        cfg = self.cfg
-        return collect_rollouts(
+        return sample_rollouts(
             self.model,
-            self.tokenizer,
             samples,
-            self.reward,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
+            self.cfg,
+            tokenizer=self.tokenizer,
+            reward=self.reward,
             generator=self.sampling_generator,
             reference=self.reference,
-            enable_thinking=cfg.enable_thinking,
-            logprob_chunk_size=cfg.logprob_chunk_size,
-            forward_batch_size=cfg.micro_batch_size,
+            compute_old_logp=not self._on_policy() or kl_in_reward(self.loss_cfg),
             sync_ranks=self.dist.is_distributed,
-            compute_old_logp=not self._on_policy() or self._kl_in_reward(),
         )
 
     def _on_policy(self) -> bool:
         """One optimiser step per generation batch: the sampling policy is the current one."""
         return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
-
-    def _kl_in_reward(self) -> bool:
-        return self.loss_cfg.beta > 0 and self.loss_cfg.kl_mode == "reward"
-
-    def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:
-        rewards = rollout.rewards
-        loss_cfg = self.loss_cfg
-        if self._kl_in_reward():
-            rewards = apply_kl_to_rewards(
-                rewards,
-                rollout.old_logp,
-                rollout.ref_logp,
-                rollout.completion_mask,
-                loss_cfg.beta,
-                loss_cfg.kl_estimator,
-            )
-        if loss_cfg.scale_rewards != "batch" or not self.dist.is_distributed:
-            return compute_advantages(rewards, self.cfg.group_size, loss_cfg.scale_rewards)
-        # Batch scaling takes the std over every rank's rewards: gather them, keep our rows.
-        gathered = torch.zeros(
-            (self.dist.world_size, rewards.numel()), dtype=rewards.dtype, device=rewards.device
-        )
-        gathered[self.dist.rank] = rewards
-        all_reduce_sum(gathered)
-        advantages = compute_advantages(gathered.reshape(-1), self.cfg.group_size, "batch")
-        return advantages.view(self.dist.world_size, -1)[self.dist.rank]
 
     def _optimizer_step(
         self, rows: RolloutBatch, advantages: torch.Tensor, *, on_policy: bool
@@ -412,13 +383,8 @@ class GRPORecipe:
         """Forward/backward over micro-batches of ``rows``, clip, step; returns step metrics."""
         cfg, loss_cfg = self.cfg, self.loss_cfg
         micro_batches = rows.micro_batches(cfg.micro_batch_size)
-        # dapo/cispo normalise by the active tokens of the whole step on all ranks; FSDP then
-        # averages gradients over ranks, hence the division by world size (as in TRL).
-        active = rows.completion_mask
-        if loss_cfg.mask_truncated_completions:
-            active = apply_truncation_mask(active, rows.truncated)
-        global_tokens = all_reduce_sum(active.sum().double().reshape(1))
-        num_items = float(global_tokens.clamp(min=1)) / self.dist.world_size
+        # The policy loss completes itself from the step's facts (objective by objective).
+        normalization = step_normalization(rows, loss_cfg, self.dist, cfg.micro_batch_size)
         totals: dict[str, float] = {}
         loss_total = 0.0
         for index, micro in enumerate(micro_batches):
@@ -441,12 +407,10 @@ class GRPORecipe:
                 micro.completion_mask,
                 loss_cfg,
                 ref_logp=micro.ref_logp,
-                num_items_in_batch=num_items,
                 truncated=micro.truncated,
                 entropy=entropy,
+                normalization=normalization,
             )
-            if loss_cfg.objective not in ("dapo", "cispo"):
-                loss = loss / len(micro_batches)  # gradient accumulation over micro-batches
             loss.backward()
             loss_total += float(loss.detach())
             for name, value in metrics.items():

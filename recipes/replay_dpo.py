@@ -42,12 +42,16 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.channels.policy import (
+    group_advantages,
+    kl_in_reward,
+    sample_rollouts,
+    step_normalization,
+)
 from composer_tune.channels.replay_dpo import (
     DPOChannelConfig,
-    PairStream,
-    evaluate_pairs,
-    load_pair_splits,
-    reference_table,
+    PairChannel,
+    pair_loss_backward,
 )
 from composer_tune.checkpointing.run_state import (
     load_training_state,
@@ -68,18 +72,13 @@ from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses import (
     PolicyLossConfig,
-    apply_kl_to_rewards,
-    apply_truncation_mask,
-    compute_advantages,
     needs_reference_model,
     policy_loss,
-    preference_loss,
 )
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
-    collect_rollouts,
     rollout_metrics,
     sequence_logprobs,
 )
@@ -182,7 +181,21 @@ class ReplayDPORecipe:
         self.sampling_generator.manual_seed(cfg.seed * 1_000_003 + self.dist.rank)
         self.resumed = resume_path is not None
         state = self._restore(resume_path) if self.resumed else {}
-        self.pair_stream, self.heldout_pairs = self._setup_pairs(cfg, state)
+        # Channel 3's pairs (reference table, stream, held-out split); None when it is off.
+        self.pairs = (
+            PairChannel(
+                self.dpo_cfg,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dist=self.dist,
+                seed=cfg.seed,
+                logprob_chunk_size=cfg.logprob_chunk_size,
+                state=state,
+                resumed=self.resumed,
+            )
+            if self.dpo_cfg.enabled
+            else None
+        )
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
         self.metric_logger = self._setup_metric_logger(cfg)
@@ -286,50 +299,6 @@ class ReplayDPORecipe:
             collate_fn=list,
         )
 
-    def _setup_pairs(self, cfg: DictConfig, state: dict[str, Any]) -> tuple[PairStream | None, Any]:
-        """Channel 3's training-pair stream and held-out pairs; nothing when it is off.
-
-        Precomputed reference log-probs come from the resumed checkpoint, or are computed now
-        with the policy, which before the first step is the initial policy."""
-        self.pair_reference = None
-        if not self.dpo_cfg.enabled:
-            return None, None
-        train_pairs, heldout_pairs = load_pair_splits(self.dpo_cfg, self.tokenizer)
-        if self.dpo_cfg.reference == "precomputed" and "dpo_reference" in state:
-            self.pair_reference = state["dpo_reference"]
-        elif self.dpo_cfg.reference == "precomputed":
-            if self.resumed:  # the policy is no longer the initial one
-                raise ValueError(
-                    "dpo.reference=precomputed, but the resumed checkpoint has no reference "
-                    "table (written with channel 3 off or dpo.reference=live): resume with "
-                    "the settings the run started with"
-                )
-            self.pair_reference = reference_table(
-                self.model,
-                [train_pairs, heldout_pairs],
-                self.dpo_cfg,
-                pad_id=self.tokenizer.pad_id,
-                dist_info=self.dist,
-                chunk_size=cfg.logprob_chunk_size,
-            )
-        stream = PairStream(
-            train_pairs,
-            pairs_per_step=self.dpo_cfg.pairs_per_step,
-            dist_info=self.dist,
-            seed=cfg.seed,
-            pad_id=self.tokenizer.pad_id,
-            reference=self.pair_reference,
-        )
-        if "pair_stream" in state:
-            stream.load_state_dict(state["pair_stream"])
-        if self.dist.is_main:
-            print(
-                f"dpo: {len(train_pairs)} training pairs {dict(train_pairs.stats)}, "
-                f"{len(heldout_pairs)} held out, reference {self.dpo_cfg.reference}",
-                flush=True,
-            )
-        return stream, heldout_pairs
-
     def _restore(self, path: Any) -> dict[str, Any]:
         """Optimizer, LR schedule, RNGs, sampling generator and data position from ``path``
         (the weights were loaded from its ``model/`` by ``_setup_model``); returns the recipe
@@ -368,7 +337,10 @@ class ReplayDPORecipe:
             rollout = self._rollout(next(prompt_batches))
             batch_metrics = rollout_metrics(rollout)
             # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = self._advantages(rollout) * cfg.advantage_sign
+            advantages = (
+                group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
+                * cfg.advantage_sign
+            )
             # 3. Optimiser steps on the generation batch: its slices, num_iterations times.
             rows_per_step = len(rollout) // cfg.steps_per_generation
             for iteration in range(cfg.num_iterations):
@@ -431,7 +403,7 @@ class ReplayDPORecipe:
                 f"held-out pairs: DPO accuracy before {before_pairs['eval/dpo_accuracy']:.3f} "
                 f"-> after {after_pairs['eval/dpo_accuracy']:.3f}, margin before "
                 f"{before_pairs['eval/dpo_margin']:.4f} -> after "
-                f"{after_pairs['eval/dpo_margin']:.4f} ({len(self.heldout_pairs)} pairs)",
+                f"{after_pairs['eval/dpo_margin']:.4f} ({len(self.pairs.heldout)} pairs)",
                 flush=True,
             )
 
@@ -448,56 +420,22 @@ class ReplayDPORecipe:
             self.batches_in_epoch = 0
 
     def _rollout(self, samples: list[dict[str, Any]]) -> RolloutBatch:
-        cfg = self.cfg
-        return collect_rollouts(
+        return sample_rollouts(
             self.model,
-            self.tokenizer,
             samples,
-            self.reward,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
+            self.cfg,
+            tokenizer=self.tokenizer,
+            reward=self.reward,
             generator=self.sampling_generator,
             # Reference log-probs only feed the KL term (the reference may exist for live DPO).
             reference=self.reference if needs_reference_model(self.loss_cfg) else None,
-            enable_thinking=cfg.enable_thinking,
-            logprob_chunk_size=cfg.logprob_chunk_size,
-            forward_batch_size=cfg.micro_batch_size,
+            compute_old_logp=not self._on_policy() or kl_in_reward(self.loss_cfg),
             sync_ranks=self.dist.is_distributed,
-            compute_old_logp=not self._on_policy() or self._kl_in_reward(),
         )
 
     def _on_policy(self) -> bool:
         """One optimiser step per generation batch: the sampling policy is the current one."""
         return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
-
-    def _kl_in_reward(self) -> bool:
-        return self.loss_cfg.beta > 0 and self.loss_cfg.kl_mode == "reward"
-
-    def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:
-        rewards = rollout.rewards
-        loss_cfg = self.loss_cfg
-        if self._kl_in_reward():
-            rewards = apply_kl_to_rewards(
-                rewards,
-                rollout.old_logp,
-                rollout.ref_logp,
-                rollout.completion_mask,
-                loss_cfg.beta,
-                loss_cfg.kl_estimator,
-            )
-        if loss_cfg.scale_rewards != "batch" or not self.dist.is_distributed:
-            return compute_advantages(rewards, self.cfg.group_size, loss_cfg.scale_rewards)
-        # Batch scaling takes the std over every rank's rewards: gather them, keep our rows.
-        gathered = torch.zeros(
-            (self.dist.world_size, rewards.numel()), dtype=rewards.dtype, device=rewards.device
-        )
-        gathered[self.dist.rank] = rewards
-        all_reduce_sum(gathered)
-        advantages = compute_advantages(gathered.reshape(-1), self.cfg.group_size, "batch")
-        return advantages.view(self.dist.world_size, -1)[self.dist.rank]
 
     def _optimizer_step(
         self, rows: RolloutBatch, advantages: torch.Tensor, *, on_policy: bool
@@ -505,13 +443,8 @@ class ReplayDPORecipe:
         """Forward/backward over micro-batches of ``rows``, clip, step; returns step metrics."""
         cfg, loss_cfg = self.cfg, self.loss_cfg
         micro_batches = rows.micro_batches(cfg.micro_batch_size)
-        # dapo/cispo normalise by the active tokens of the whole step on all ranks; FSDP then
-        # averages gradients over ranks, hence the division by world size (as in TRL).
-        active = rows.completion_mask
-        if loss_cfg.mask_truncated_completions:
-            active = apply_truncation_mask(active, rows.truncated)
-        global_tokens = all_reduce_sum(active.sum().double().reshape(1))
-        num_items = float(global_tokens.clamp(min=1)) / self.dist.world_size
+        # The policy loss completes itself from the step's facts (objective by objective).
+        normalization = step_normalization(rows, loss_cfg, self.dist, cfg.micro_batch_size)
         totals: dict[str, float] = {}
         loss_total = 0.0
         for index, micro in enumerate(micro_batches):
@@ -534,31 +467,24 @@ class ReplayDPORecipe:
                 micro.completion_mask,
                 loss_cfg,
                 ref_logp=micro.ref_logp,
-                num_items_in_batch=num_items,
                 truncated=micro.truncated,
                 entropy=entropy,
+                normalization=normalization,
             )
-            if loss_cfg.objective not in ("dapo", "cispo"):
-                loss = loss / len(micro_batches)  # gradient accumulation over micro-batches
             loss.backward()
             loss_total += float(loss.detach())
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + float(value) / len(micro_batches)
-        if self.pair_stream is not None:
-            # Channel 3: one forward over this rank's share of the step's pairs. Its loss is a
-            # mean over the rank's pairs; FSDP's gradient average makes it the global mean.
-            batch = next(self.pair_stream).to(self.dist.device)
-            output = preference_loss(
+        if self.pairs is not None:  # channel 3: one forward over this rank's share of pairs
+            pair_loss, pair_metrics = pair_loss_backward(
                 self.model,
-                batch,
-                self.dpo_cfg.loss_config,
-                reference_model=self.reference if self.dpo_cfg.reference == "live" else None,
+                self.pairs.next_batch(),
+                self.dpo_cfg,
+                reference_model=self.reference,
                 chunk_size=cfg.logprob_chunk_size,
             )
-            (self.dpo_cfg.weight * output.loss).backward()
-            loss_total += self.dpo_cfg.weight * float(output.loss.detach())
-            for name, value in output.metrics().items():
-                totals[f"dpo/{name}"] = value
+            loss_total += pair_loss
+            totals.update(pair_metrics)
         # The norm is always computed (max_norm=inf does not clip): the guard checks it.
         max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
@@ -583,25 +509,16 @@ class ReplayDPORecipe:
         return self._evaluate_generation(), self._evaluate_pairs()
 
     def _evaluate_pairs(self) -> dict[str, float]:
-        if self.heldout_pairs is None:
+        if self.pairs is None:
             return {}
-        metrics = evaluate_pairs(
-            self.model,
-            self.heldout_pairs,
-            self.dpo_cfg,
-            pad_id=self.tokenizer.pad_id,
-            device=self.dist.device,
-            chunk_size=self.cfg.logprob_chunk_size,
-            reference=self.pair_reference,
-            reference_model=self.reference if self.dpo_cfg.reference == "live" else None,
-        )
+        metrics = self.pairs.evaluate(self.model, self.reference)
         if metrics:
             self._log(metrics)
         if metrics and self.dist.is_main:
             print(
                 f"[step {self.step}] held-out pairs: DPO loss {metrics['eval/dpo_loss']:.4f}, "
                 f"margin {metrics['eval/dpo_margin']:.4f}, accuracy "
-                f"{metrics['eval/dpo_accuracy']:.3f} over {len(self.heldout_pairs)} pairs",
+                f"{metrics['eval/dpo_accuracy']:.3f} over {len(self.pairs.heldout)} pairs",
                 flush=True,
             )
         return metrics
@@ -639,7 +556,7 @@ class ReplayDPORecipe:
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
-                **self._pair_state(),
+                **(self.pairs.state_dict() if self.pairs is not None else {}),
             },
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
@@ -647,13 +564,6 @@ class ReplayDPORecipe:
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
-
-    def _pair_state(self) -> dict[str, Any]:
-        """Channel 3's resume state: the pair-stream position and the reference table."""
-        if self.pair_stream is None:
-            return {}
-        # Ranks deal pairs from one shuffled order, so rank 0's position is every rank's.
-        return {"pair_stream": self.pair_stream.state_dict(), "dpo_reference": self.pair_reference}
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:

@@ -39,6 +39,12 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.channels.policy import (
+    group_advantages,
+    kl_in_reward,
+    sample_rollouts,
+    step_normalization,
+)
 from composer_tune.channels.sdpo import (
     SDPOChannelConfig,
     TeacherBatch,
@@ -48,8 +54,13 @@ from composer_tune.channels.sdpo import (
     reduce_sdpo_metrics,
     select_teacher_rows,
 )
+from composer_tune.channels.sdpo.teacher import (
+    check_teacher_length,
+    ema_teacher_state,
+    load_ema_teacher_state,
+    sdpo_config_from,
+)
 from composer_tune.checkpointing.run_state import (
-    full_model_state_dict,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -69,15 +80,12 @@ from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses import (
     EMATeacher,
     PolicyLossConfig,
-    apply_kl_to_rewards,
-    apply_truncation_mask,
-    compute_advantages,
     needs_reference_model,
     policy_loss,
 )
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
-from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, rollout_metrics
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -129,7 +137,8 @@ class SDPORecipe:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # prompt batches of the current epoch already used
-        # Same seed on every rank: identical random init; the sampler splits the prompts.
+        # Per-rank RNG streams (torchtune offsets the seed by the rank); random init is seeded
+        # identically on every rank in _build_model.
         training.set_seed(seed=cfg.seed)
 
     # ----------------------------------------------------------------------------- setup
@@ -137,7 +146,7 @@ class SDPORecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.loss_cfg = self._setup_loss_config(cfg)
-        self.sdpo_cfg = self._setup_sdpo_config(cfg)
+        self.sdpo_cfg = sdpo_config_from(cfg, self.dist)
         self._check_batch_layout(cfg)
         if self.dist.is_main:
             remove_stale_staging(cfg.output_dir)
@@ -146,7 +155,7 @@ class SDPORecipe:
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
-        self._check_teacher_length(self.sdpo_cfg, self.model.max_seq_len)
+        check_teacher_length(self.sdpo_cfg, self.model.max_seq_len)
         # The reference is the starting policy, never a resumed one, and only exists with KL.
         self.reference = (
             self._setup_reference(cfg, initial) if needs_reference_model(self.loss_cfg) else None
@@ -185,34 +194,6 @@ class SDPORecipe:
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
         section.setdefault("max_completion_length", cfg.max_new_tokens)
         return PolicyLossConfig.from_mapping(section, source="loss")
-
-    def _setup_sdpo_config(self, cfg: DictConfig) -> SDPOChannelConfig:
-        sdpo_cfg = SDPOChannelConfig.from_mapping(OmegaConf.to_container(cfg.sdpo, resolve=True))
-        if sdpo_cfg.context.enable_thinking != cfg.enable_thinking:
-            raise ValueError(
-                f"sdpo.context.enable_thinking ({sdpo_cfg.context.enable_thinking}) must equal "
-                f"enable_thinking ({cfg.enable_thinking}): the teacher's prompt must be rendered "
-                "like the student's apart from the hint"
-            )
-        ema_topk = sdpo_cfg.loss.top_k is not None and sdpo_cfg.loss.top_k_support == "teacher"
-        if sdpo_cfg.teacher == "ema" and self.dist.is_distributed and not ema_topk:
-            raise ValueError(
-                "sdpo.teacher=ema under torchrun needs sdpo.loss.top_k set and "
-                "sdpo.loss.top_k_support=teacher (a sharded teacher's projection only runs in "
-                "its own forward)"
-            )
-        return sdpo_cfg
-
-    @staticmethod
-    def _check_teacher_length(sdpo_cfg: SDPOChannelConfig, max_seq_len: int) -> None:
-        """Teacher sequences (prompt + hint + completion) must fit the model's positions."""
-        limit = sdpo_cfg.context.max_teacher_tokens
-        if sdpo_cfg.enabled and (limit is None or limit > max_seq_len):
-            raise ValueError(
-                f"sdpo.context.max_teacher_tokens ({limit}) must be set to at most the model's "
-                f"max_seq_len ({max_seq_len}): a hint makes the teacher's sequence longer than "
-                "the student's"
-            )
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject batch sizes that do not divide evenly, naming the keys involved."""
@@ -266,7 +247,7 @@ class SDPORecipe:
             checkpoint=checkpoint,
             dtype=dtype or self.dtype,
             dist_info=self.dist,
-            seed=None,  # random init follows the training.set_seed calls
+            seed=cfg.seed,  # identical on every rank (and for the reference and EMA teacher)
             activation_checkpointing=cfg.enable_activation_checkpointing,
             fsdp_cpu_offload=cfg.fsdp_cpu_offload,
             autocast=cfg.autocast,
@@ -278,9 +259,6 @@ class SDPORecipe:
         return model
 
     def _setup_reference(self, cfg: DictConfig, initial: str | None) -> torch.nn.Module:
-        if initial is None:
-            # Random init: re-seed so the reference equals the policy's own initialisation.
-            training.set_seed(seed=cfg.seed)
         reference = self._build_model(cfg, initial)
         reference.eval()
         reference.requires_grad_(False)
@@ -332,30 +310,15 @@ class SDPORecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
-        if self.ema_teacher is not None:
-            self._restore_ema_teacher(state, path)
+        load_ema_teacher_state(
+            self.ema_teacher,
+            state,
+            source=path,
+            device=self.dist.device,
+            cpu_offload=self.cfg.fsdp_cpu_offload,
+        )
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
-
-    def _restore_ema_teacher(self, state: dict[str, Any], path: Any) -> None:
-        if "ema_teacher" not in state:
-            raise ValueError(
-                f"{path} holds no EMA teacher (written with sdpo.teacher=current or weight 0); "
-                "resume with the settings it was written with"
-            )
-        saved = state["ema_teacher"]
-        if self.dist.is_distributed:
-            training.load_from_full_model_state_dict(
-                self.ema_teacher.module,
-                saved["model"],
-                self.dist.device,
-                strict=True,
-                cpu_offload=self.cfg.fsdp_cpu_offload,
-            )
-            self.ema_teacher.rebind()  # the loader assigned new tensors to the teacher
-            self.ema_teacher.num_updates = int(saved["num_updates"])
-        else:
-            self.ema_teacher.load_state_dict(saved)
 
     # ----------------------------------------------------------------------------- training
 
@@ -375,7 +338,10 @@ class SDPORecipe:
             rollout = self._rollout(next(prompt_batches))
             batch_metrics = rollout_metrics(rollout)
             # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = self._advantages(rollout) * cfg.advantage_sign
+            advantages = (
+                group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
+                * cfg.advantage_sign
+            )
             # 3. SDPO teacher contexts, once per generation so every row sees all its siblings.
             teacher_batch = (
                 build_sdpo_teacher_batch(rollout, tokenizer=self.tokenizer, cfg=self.sdpo_cfg)
@@ -449,24 +415,16 @@ class SDPORecipe:
             self.batches_in_epoch = 0
 
     def _rollout(self, samples: list[dict[str, Any]]) -> RolloutBatch:
-        cfg = self.cfg
-        return collect_rollouts(
+        return sample_rollouts(
             self.model,
-            self.tokenizer,
             samples,
-            self.reward,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
+            self.cfg,
+            tokenizer=self.tokenizer,
+            reward=self.reward,
             generator=self.sampling_generator,
             reference=self.reference,
-            enable_thinking=cfg.enable_thinking,
-            logprob_chunk_size=cfg.logprob_chunk_size,
-            forward_batch_size=cfg.micro_batch_size,
-            sync_ranks=self.dist.is_distributed,
             compute_old_logp=self._needs_old_logp(),
+            sync_ranks=self.dist.is_distributed,
         )
 
     def _on_policy(self) -> bool:
@@ -479,32 +437,9 @@ class SDPORecipe:
         loss_cfg = self.loss_cfg
         return (
             not self._on_policy()
-            or (loss_cfg.beta > 0 and loss_cfg.kl_mode == "reward")
+            or kl_in_reward(loss_cfg)
             or (self.sdpo_cfg.enabled and self.sdpo_cfg.loss.is_clip is not None)
         )
-
-    def _advantages(self, rollout: RolloutBatch) -> torch.Tensor:
-        rewards = rollout.rewards
-        loss_cfg = self.loss_cfg
-        if loss_cfg.beta > 0 and loss_cfg.kl_mode == "reward":
-            rewards = apply_kl_to_rewards(
-                rewards,
-                rollout.old_logp,
-                rollout.ref_logp,
-                rollout.completion_mask,
-                loss_cfg.beta,
-                loss_cfg.kl_estimator,
-            )
-        if loss_cfg.scale_rewards != "batch" or not self.dist.is_distributed:
-            return compute_advantages(rewards, self.cfg.group_size, loss_cfg.scale_rewards)
-        # Batch scaling takes the std over every rank's rewards: gather them, keep our rows.
-        gathered = torch.zeros(
-            (self.dist.world_size, rewards.numel()), dtype=rewards.dtype, device=rewards.device
-        )
-        gathered[self.dist.rank] = rewards
-        all_reduce_sum(gathered)
-        advantages = compute_advantages(gathered.reshape(-1), self.cfg.group_size, "batch")
-        return advantages.view(self.dist.world_size, -1)[self.dist.rank]
 
     def _optimizer_step(
         self,
@@ -520,13 +455,8 @@ class SDPORecipe:
         """
         cfg, loss_cfg, sdpo_cfg = self.cfg, self.loss_cfg, self.sdpo_cfg
         micro_batches = rows.micro_batches(cfg.micro_batch_size)
-        # dapo/cispo normalise by the active tokens of the whole step on all ranks; FSDP then
-        # averages gradients over ranks, hence the division by world size (as in TRL).
-        active = rows.completion_mask
-        if loss_cfg.mask_truncated_completions:
-            active = apply_truncation_mask(active, rows.truncated)
-        global_tokens = all_reduce_sum(active.sum().double().reshape(1))
-        num_items = float(global_tokens.clamp(min=1)) / self.dist.world_size
+        # The policy loss completes itself from the step's facts (objective by objective).
+        normalization = step_normalization(rows, loss_cfg, self.dist, cfg.micro_batch_size)
         # SDPO: a token mean over the step's distilled tokens on all ranks, the same way.
         sdpo_normalizer = None
         if teacher_batch is not None:
@@ -561,12 +491,10 @@ class SDPORecipe:
                 micro.completion_mask,
                 loss_cfg,
                 ref_logp=micro.ref_logp,
-                num_items_in_batch=num_items,
                 truncated=micro.truncated,
                 entropy=entropy,
+                normalization=normalization,
             )
-            if loss_cfg.objective not in ("dapo", "cispo"):
-                loss = loss / len(micro_batches)  # gradient accumulation over micro-batches
             if sdpo_cfg.enabled:
                 loss = loss + sdpo_loss
                 sdpo_total += float(sdpo_loss.detach())
@@ -626,12 +554,8 @@ class SDPORecipe:
             "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
             "nonfinite_guard": self.guard.state_dict(),
         }
-        if self.ema_teacher is not None:
-            # Gathered on rank 0 (collective), saved with the rest of the training state.
-            recipe_state["ema_teacher"] = {
-                "num_updates": self.ema_teacher.num_updates,
-                "model": full_model_state_dict(self.ema_teacher.module, self.dist),
-            }
+        # The EMA teacher, gathered on rank 0 (collective), saved with the training state.
+        recipe_state.update(ema_teacher_state(self.ema_teacher, self.dist))
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
             step=self.step,

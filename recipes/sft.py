@@ -18,21 +18,17 @@ The recipe reads top to bottom: ``SFTRecipe.setup()`` builds each part in a ``_s
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 from tqdm import tqdm
 
 from composer_tune import config
-from composer_tune.checkpointing import CheckpointError
 from composer_tune.checkpointing.run_state import (
-    check_model_files,
-    load_model_weights,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -42,13 +38,12 @@ from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
     setup_distributed,
-    shard_decoder,
     teardown_distributed,
 )
 from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
-from composer_tune.models.build import enable_autocast
+from composer_tune.models.build import build_decoder
 
 
 @dataclass
@@ -98,7 +93,6 @@ class SFTRecipe:
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         checkpoint = resume_path or cfg.checkpoint.initial_checkpoint
         self.model = self._setup_model(cfg, checkpoint)
-        enable_autocast(self.model, cfg.autocast, self.dist.device)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = (
             config.instantiate(cfg.lr_scheduler, self.optimizer, num_training_steps=cfg.max_steps)
@@ -143,44 +137,16 @@ class SFTRecipe:
 
     def _setup_model(self, cfg: DictConfig, checkpoint: Any) -> torch.nn.Module:
         """The decoder, sharded under torchrun, with weights from ``checkpoint`` (or random)."""
-        if checkpoint is None:
-            # Random init from cfg.seed on every rank (FSDP shards one model, so every rank must
-            # build the same one), without disturbing the per-rank RNG streams.
-            with torch.random.fork_rng(), training.set_default_dtype(self.dtype), self.dist.device:
-                torch.manual_seed(cfg.seed)
-                model = config.instantiate(cfg.model)
-            if cfg.enable_activation_checkpointing:
-                training.set_activation_checkpointing(
-                    model, auto_wrap_policy={TransformerSelfAttentionLayer}
-                )
-            if self.dist.is_distributed:
-                shard_decoder(model)
-            return model
-        # Files and architecture first: a broken or mismatched checkpoint fails before loading.
-        stored = check_model_files(checkpoint)
-        with training.set_default_dtype(self.dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        # The RoPE cache length may differ: it is no weight.
-        if replace(stored, max_seq_len=model.config.max_seq_len) != model.config:
-            raise CheckpointError(
-                f"checkpoint {checkpoint} holds a different architecture than config key "
-                f"'model': {stored} vs {model.config}"
-            )
-        state_dict = load_model_weights(checkpoint)
-        if cfg.enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={TransformerSelfAttentionLayer}
-            )
-        if self.dist.is_distributed:
-            shard_decoder(model)
-        with training.set_default_dtype(self.dtype), self.dist.device:
-            for module in model.modules():
-                if hasattr(module, "rope_init"):  # RoPE caches are not in the state dict
-                    module.rope_init()
-        training.load_from_full_model_state_dict(
-            model, state_dict, self.dist.device, strict=True, cpu_offload=False
+        return build_decoder(
+            cfg.model,
+            checkpoint=checkpoint,
+            dtype=self.dtype,
+            dist_info=self.dist,
+            seed=cfg.seed,  # identical on every rank
+            activation_checkpointing=cfg.enable_activation_checkpointing,
+            fsdp_cpu_offload=False,
+            autocast=cfg.autocast,
         )
-        return model
 
     def _build_dataset(self, cfg: DictConfig, key: str) -> Any:
         """The dataset of config key ``key`` (None if unset); an empty one is an error naming it."""

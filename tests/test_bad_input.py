@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from composer_tune import config
 from composer_tune.checkpointing import save_hf_checkpoint
+from composer_tune.models import build as decoder_build
 from recipes import sft
 from tests.recipe_runs import REPO_ROOT, run_tune
 
@@ -61,7 +62,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sft, "load_model_weights", _trap)
+    monkeypatch.setattr(decoder_build, "load_model_weights", _trap)
 
 
 def _save_cpu_smoke_model(directory: Path, **changes: int) -> Path:

@@ -1,6 +1,6 @@
 """A4: the composer_full recipe end to end: its cpu_smoke config runs with all three channels,
-channel 1 alone is A1 exactly, a zero-weight channel costs nothing, and FSDP2 on 2 CPU
-processes agrees with one process.
+channel 1 alone is A1 exactly, channels 1+2 are A2 and channels 1+3 are A3 exactly, a
+zero-weight channel costs nothing, and FSDP2 on 2 CPU processes agrees with one process.
 
 The mechanics tests start from random weights (``warm_start=null``) with a dense stand-in
 reward, so that every group has reward spread and every step a gradient; only the cpu_smoke run
@@ -19,6 +19,8 @@ from composer_tune import config
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
 from recipes.grpo import TIMING_METRICS, GRPOConfig, GRPORecipe
+from recipes.replay_dpo import ReplayDPOConfig, ReplayDPORecipe
+from recipes.sdpo import SDPOConfig, SDPORecipe
 from tests.recipe_runs import REPO_ROOT, RecipeRun, run_recipe, run_tune
 
 pytestmark = pytest.mark.slow
@@ -159,6 +161,69 @@ def test_channel_one_alone_is_grpo(tmp_path: Path) -> None:
     # Nothing of the switched-off channels exists, and the policy ran the same forwards.
     assert full.pairs is None and full.ema_teacher is None
     assert full_forwards == grpo_forwards
+
+
+def assert_same_weights(first: Path, second: Path) -> None:
+    first_weights, second_weights = final_weights(first), final_weights(second)
+    assert first_weights.keys() == second_weights.keys()
+    for name, value in first_weights.items():
+        assert torch.equal(value, second_weights[name]), name
+
+
+PARITY = (
+    "max_steps=3",
+    "steps_per_generation=1",
+    "num_iterations=1",
+    "lr_scheduler=null",
+)
+
+
+def test_channels_one_and_two_are_sdpo(tmp_path: Path) -> None:
+    """A4 with channel 3 off runs A2's step: one shared student forward, the same SDPO teacher
+    contexts and normalisers, the same EMA-free teacher."""
+    common = [*FULL_MECHANICS, *PARITY, "model.max_seq_len=128"]
+    _, sdpo_forwards = run_in_process(SDPORecipe, SDPOConfig, "sdpo", tmp_path / "sdpo", common)
+    full, full_forwards = run_in_process(
+        ComposerFullRecipe,
+        ComposerFullConfig,
+        "composer_full",
+        tmp_path / "full",
+        [*common, "dpo.weight=0"],
+    )
+    sdpo_log, full_log = logged_metrics(tmp_path / "sdpo"), logged_metrics(tmp_path / "full")
+    assert sorted(sdpo_log) == sorted(full_log) == [0, 1, 2, 3]
+    for step, full_metrics in full_log.items():
+        # A2 also logs its SDPO share of the loss; everything A4 logs, A2 logged identically.
+        assert set(sdpo_log[step]) - set(full_metrics) <= {"sdpo/weighted_loss"}, step
+        assert {name: sdpo_log[step][name] for name in full_metrics} == full_metrics, step
+    assert all(full_log[step]["sdpo/valid_tokens"] > 0 for step in (1, 2, 3)), full_log
+    assert all(full_log[step]["grad_norm"] > 0 for step in (1, 2, 3)), full_log
+    assert_same_weights(tmp_path / "sdpo", tmp_path / "full")
+    assert full.pairs is None
+    assert full_forwards == sdpo_forwards
+
+
+def test_channels_one_and_three_are_replay_dpo(tmp_path: Path) -> None:
+    """A4 with channel 2 off runs A3's step: the same pair stream, reference table and pair
+    loss after the same policy micro-batches."""
+    _, replay_forwards = run_in_process(
+        ReplayDPORecipe, ReplayDPOConfig, "replay_dpo", tmp_path / "a3", [*MECHANICS, *PARITY]
+    )
+    full, full_forwards = run_in_process(
+        ComposerFullRecipe,
+        ComposerFullConfig,
+        "composer_full",
+        tmp_path / "full",
+        [*FULL_MECHANICS, *PARITY, "sdpo.weight=0", "dpo.weight=1.0"],  # A3 cpu_smoke: 1.0
+    )
+    replay_log, full_log = logged_metrics(tmp_path / "a3"), logged_metrics(tmp_path / "full")
+    assert sorted(replay_log) == sorted(full_log) == [0, 1, 2, 3]
+    assert full_log == replay_log  # every logged value, the pair metrics included
+    assert all(math.isfinite(full_log[step]["dpo/loss"]) for step in (1, 2, 3)), full_log
+    assert full_log[3]["eval/dpo_margin"] != full_log[0]["eval/dpo_margin"]
+    assert_same_weights(tmp_path / "a3", tmp_path / "full")
+    assert full.ema_teacher is None
+    assert full_forwards == replay_forwards
 
 
 def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:

@@ -33,8 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from composer_tune import config
-from composer_tune.channels.composer import PairChannel
-from composer_tune.channels.replay_dpo import DPOChannelConfig
+from composer_tune.channels.replay_dpo import DPOChannelConfig, PairChannel
 from composer_tune.checkpointing.run_state import (
     TRAINING_STATE,
     latest_checkpoint,

@@ -5,10 +5,12 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import DictConfig
 
 from composer_tune.channels.composer import ComposerChannels
 from composer_tune.config import ConfigError, available_configs, load_config
+from composer_tune.distributed import DistInfo
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SCHEMAS = {
@@ -53,7 +55,8 @@ def test_config_validates(recipe: str, name: str) -> None:
 def test_composer_channels_parse(recipe: str, name: str) -> None:
     """The channel sections of the composer-loop configs parse as the recipes parse them
     (interpolations into other sections included), with channel 2 on."""
-    channels = ComposerChannels.from_config(_load(recipe, name))
+    one_process = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
+    channels = ComposerChannels.from_config(_load(recipe, name), one_process)
     assert channels.sdpo.enabled
 
 

@@ -5,15 +5,18 @@ Composer recipe (which has channel 1, GRPO-family RL on verifiable rewards, and 
 self-distillation): agent traces are replayed by teacher models and their (dis)agreement with
 the trace becomes preference pairs (``tools/build_pairs.py``). The loss and the pair data live in
 ``composer_tune.losses.dpo`` and ``composer_tune.data.preference``; this module holds what a
-recipe adds around them so that ``recipes/replay_dpo.py`` (A3) and ``recipes/composer_full.py``
-(A4) share one implementation:
+recipe adds around them so that ``recipes/replay_dpo.py`` (A3), ``recipes/composer_full.py``
+(A4) and ``recipes/diloco.py`` share one implementation:
 
 * :class:`DPOChannelConfig`: the ``dpo:`` config section (weight, pairs, variant, reference mode);
 * :func:`load_pair_splits`: the train and held-out pair splits, rendered once;
 * :func:`reference_table`: summed reference log-probs of every pair from the frozen initial
   policy, computed once (and cached on disk) before training;
 * :class:`PairStream`: endless per-rank training batches beside the rollouts, resumable;
-* :func:`evaluate_pairs`: DPO loss, reward margin and accuracy on the held-out pairs.
+* :func:`evaluate_pairs`: DPO loss, reward margin and accuracy on the held-out pairs;
+* :class:`PairChannel`: all of the above as a recipe holds it (splits, reference table, the
+  stream dealt over ranks and replicas, resume state, evaluation);
+* :func:`pair_loss_backward`: the channel's weighted forward and backward in a training step.
 """
 
 from __future__ import annotations
@@ -306,3 +309,131 @@ def evaluate_pairs(
     if not len(dataset):
         return {}
     return {f"eval/dpo_{name}": value / len(dataset) for name, value in totals.items()}
+
+
+# ----------------------------------------------------------------------------- in a recipe
+
+
+class PairChannel:
+    """Channel 3's data in a recipe (trace-replay DPO, this project's own addition).
+
+    Loads the train and held-out pair splits, the reference table (``dpo.reference:
+    precomputed``: from the resumed run's state, else scored now by ``model``, which before the
+    first step is the initial policy), and a :class:`PairStream`.
+    Pairs are dealt like prompts: over ``num_replicas`` replicas of ``dist.world_size`` ranks
+    each, every rank of every replica gets its own disjoint share, ``dpo.pairs_per_step`` per
+    replica and step. ``state`` is a resumed run's recipe state (``{}`` for a fresh run);
+    :meth:`state_dict` is what to put into the next one.
+    """
+
+    def __init__(
+        self,
+        cfg: DPOChannelConfig,
+        *,
+        model: nn.Module,
+        tokenizer: Any,
+        dist: DistInfo,
+        seed: int,
+        logprob_chunk_size: int,
+        state: Mapping[str, Any],
+        resumed: bool,
+        num_replicas: int = 1,
+        replica_id: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.dist = dist
+        self.pad_id = tokenizer.pad_id
+        self.logprob_chunk_size = logprob_chunk_size
+        self.train, self.heldout = load_pair_splits(cfg, tokenizer)
+        self.reference: dict[str, tuple[float, float]] | None = None
+        if cfg.reference == "precomputed" and "dpo_reference" in state:
+            self.reference = state["dpo_reference"]
+        elif cfg.reference == "precomputed":
+            if resumed:  # the policy is no longer the initial one
+                raise ValueError(
+                    "dpo.reference=precomputed, but the resumed checkpoint has no reference "
+                    "table (written with channel 3 off or dpo.reference=live): resume with "
+                    "the settings the run started with"
+                )
+            self.reference = reference_table(
+                model,
+                [self.train, self.heldout],
+                cfg,
+                pad_id=self.pad_id,
+                dist_info=dist,
+                chunk_size=logprob_chunk_size,
+            )
+        shards = num_replicas * dist.world_size
+        if num_replicas > 1 and len(self.train) < cfg.pairs_per_step * num_replicas:
+            raise ValueError(
+                f"dpo.pairs_per_step={cfg.pairs_per_step} per replica over {num_replicas} "
+                f"replicas needs at least {cfg.pairs_per_step * num_replicas} training pairs, "
+                f"the pairs source has {len(self.train)} in the train split"
+            )
+        # One shard per rank of every replica; PairStream splits pairs_per_step over its shards.
+        self.stream = PairStream(
+            self.train,
+            pairs_per_step=cfg.pairs_per_step * num_replicas,
+            dist_info=DistInfo(
+                world_size=shards, rank=replica_id * dist.world_size + dist.rank, device=dist.device
+            ),
+            seed=seed,
+            pad_id=self.pad_id,
+            reference=self.reference,
+        )
+        if "pair_stream" in state:
+            self.stream.load_state_dict(state["pair_stream"])
+        if dist.is_main:
+            print(
+                f"dpo: {len(self.train)} training pairs {dict(self.train.stats)}, "
+                f"{len(self.heldout)} held out, reference {cfg.reference}",
+                flush=True,
+            )
+
+    def next_batch(self) -> PreferenceBatch:
+        """This rank's training pairs for the next optimiser step, on its device."""
+        return next(self.stream).to(self.dist.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resume state: the stream position (every rank advances in lockstep, so rank 0's
+        is everyone's) and the reference table."""
+        return {"pair_stream": self.stream.state_dict(), "dpo_reference": self.reference}
+
+    def evaluate(self, model: nn.Module, reference: nn.Module | None = None) -> dict[str, float]:
+        """DPO loss, margin and accuracy of ``model`` on the held-out pairs (``eval/dpo_*``;
+        ``{}`` without held-out pairs); ``reference`` scores them with ``dpo.reference: live``.
+        """
+        return evaluate_pairs(
+            model,
+            self.heldout,
+            self.cfg,
+            pad_id=self.pad_id,
+            device=self.dist.device,
+            chunk_size=self.logprob_chunk_size,
+            reference=self.reference,
+            reference_model=reference if self.cfg.reference == "live" else None,
+        )
+
+
+def pair_loss_backward(
+    model: nn.Module,
+    batch: PreferenceBatch,
+    cfg: DPOChannelConfig,
+    *,
+    reference_model: nn.Module | None,
+    chunk_size: int,
+) -> tuple[float, dict[str, float]]:
+    """Channel 3's forward and backward over this rank's pair batch, weighted by
+    ``cfg.weight``. Its loss is a mean over the rank's pairs; FSDP's gradient average makes it
+    the global mean. ``reference_model`` scores the pairs with ``dpo.reference: live`` (None
+    otherwise). Returns the weighted loss and the ``dpo/*`` metrics."""
+    output = preference_loss(
+        model,
+        batch,
+        cfg.loss_config,
+        reference_model=reference_model if cfg.reference == "live" else None,
+        chunk_size=chunk_size,
+    )
+    (cfg.weight * output.loss).backward()
+    metrics = {f"dpo/{name}": value for name, value in output.metrics().items()}
+    return cfg.weight * float(output.loss.detach()), metrics

@@ -1,11 +1,12 @@
 """Building a recipe's decoder: random or from a checkpoint, activation checkpointing, FSDP2.
 
-Every RL recipe builds its policy, and where it needs them a frozen reference and an EMA
-teacher, the same way; :func:`build_decoder` is that one way.
+Every recipe builds its policy (and where it needs them a frozen reference and an EMA teacher)
+the same way; :func:`build_decoder` is that one way.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from composer_tune import config
-from composer_tune.checkpointing.run_state import load_model_weights
+from composer_tune.checkpointing import CheckpointError
+from composer_tune.checkpointing.run_state import check_model_files, load_model_weights
 from composer_tune.distributed import DistInfo, shard_decoder
 
 
@@ -25,31 +27,39 @@ def build_decoder(
     checkpoint: str | Path | None,
     dtype: torch.dtype,
     dist_info: DistInfo,
-    seed: int | None,
+    seed: int,
     activation_checkpointing: bool,
     fsdp_cpu_offload: bool,
     autocast: str | None = None,
 ) -> nn.Module:
     """The decoder ``model_cfg`` describes, sharded with FSDP2 under torchrun.
 
-    With a ``checkpoint`` (a ``model/`` folder of HF weights) the model is built on the meta
-    device, sharded, and loaded shard by shard; RoPE caches, which are not in the state dict,
-    are rebuilt first. Without one it is randomly initialised on ``dist_info.device``, after
-    ``torch.manual_seed(seed)`` unless ``seed`` is None (torchtune's ``set_seed`` offsets the
-    seed by the rank, and every rank must build the same model before it is sharded).
-    ``autocast`` (config key ``autocast``) runs forwards under :func:`enable_autocast`.
+    With a ``checkpoint`` (a ``model/`` folder of HF weights, or a run checkpoint) its files and
+    architecture are checked first (a broken or mismatched checkpoint fails before any weight is
+    read); the model is then built on the meta device, sharded, and loaded shard by shard, RoPE
+    caches (not in the state dict) rebuilt first. Without one it is randomly initialised on
+    ``dist_info.device`` from ``seed`` on every rank: FSDP shards one model, so every rank must
+    build the same one, whereas torchtune's ``set_seed`` offsets each rank's seed. The global RNG
+    streams are left as they were. ``autocast`` (config key ``autocast``) runs forwards under
+    :func:`enable_autocast`.
     """
     if checkpoint is None:
-        if seed is not None:
+        with torch.random.fork_rng(), training.set_default_dtype(dtype), dist_info.device:
             torch.manual_seed(seed)
-        with training.set_default_dtype(dtype), dist_info.device:
             model = config.instantiate(model_cfg)
         _wrap(model, dist_info, activation_checkpointing, fsdp_cpu_offload)
         enable_autocast(model, autocast, dist_info.device)
         return model
-    state_dict = load_model_weights(checkpoint)
+    stored = check_model_files(checkpoint)
     with training.set_default_dtype(dtype), torch.device("meta"):
         model = config.instantiate(model_cfg)
+    # The RoPE cache length may differ: it is no weight.
+    if replace(stored, max_seq_len=model.config.max_seq_len) != model.config:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds a different architecture than config key "
+            f"'model': {stored} vs {model.config}"
+        )
+    state_dict = load_model_weights(checkpoint)
     _wrap(model, dist_info, activation_checkpointing, fsdp_cpu_offload)
     with training.set_default_dtype(dtype), dist_info.device:
         for module in model.modules():
