@@ -180,6 +180,14 @@ def test_logprob_head_is_what_the_model_calls() -> None:
     torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-5)
 
 
+def test_outputs_are_not_views() -> None:
+    """An FSDP2 root returning a view warns that an in-place op on it would skip the
+    all-gather's pre-backward hook; the model returns these tensors through head_fn."""
+    hidden, output, targets = make_inputs()
+    logprobs, entropy = token_logprobs(hidden, output, targets, chunk_size=5, return_entropy=True)
+    assert logprobs._base is None and entropy._base is None
+
+
 def test_bad_input_names_the_culprit() -> None:
     hidden, output, targets = make_inputs()
     targets[1, 2] = VOCAB

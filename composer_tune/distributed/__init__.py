@@ -76,7 +76,13 @@ def barrier() -> None:
 
 
 def teardown_distributed() -> None:
+    """Leave the process group together: a barrier first, so that no rank destroys the group
+    (closing its gloo connections) while another still has a collective in flight, then
+    destroy it, which joins the backend's worker threads while the interpreter is alive (a
+    process that exits with them running aborts: "terminate called without an active
+    exception")."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

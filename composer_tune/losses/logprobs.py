@@ -96,9 +96,11 @@ def token_logprobs(
         logprob_chunks.append(outputs[0])
         if return_entropy:
             entropy_chunks.append(outputs[1])
-    logprobs = torch.cat(logprob_chunks).view(batch, seq_len)
+    # Not views: an FSDP2 root that returns a view warns (an in-place op on it would drop the
+    # pre-backward hook that all-gathers the weights), and [B, T] floats cost nothing to copy.
+    logprobs = torch.cat(logprob_chunks).view(batch, seq_len).clone()
     if return_entropy:
-        return logprobs, torch.cat(entropy_chunks).view(batch, seq_len)
+        return logprobs, torch.cat(entropy_chunks).view(batch, seq_len).clone()
     return logprobs
 
 
