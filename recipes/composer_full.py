@@ -41,6 +41,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from composer_tune.channels.sdpo.teacher import (
     ema_teacher_state,
     load_ema_teacher_state,
 )
+from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -80,6 +82,7 @@ from composer_tune.losses.distill import EMATeacher
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
+from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -135,6 +138,8 @@ class ComposerFullRecipe:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # prompt batches of the current epoch already used
+        self.accuracy_before: float | None = None  # held-out accuracy at step 0
+        self.pairs_before: dict[str, float] = {}  # held-out pair metrics at step 0
         # The sampler splits the prompts; random init is seeded in _build_model.
         training.set_seed(seed=cfg.seed)
 
@@ -151,6 +156,14 @@ class ComposerFullRecipe:
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A resumed checkpoint must come from this run's settings (not a variant's).
+        self.identity = run_identity(cfg)
+        if resume_path is not None:
+            check_resume_identity(
+                resume_path,
+                self.identity,
+                allow_changes=cfg.checkpoint.resume_with_changed_config,
+            )
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
         check_teacher_length(self.channels.sdpo, self.model.max_seq_len)
@@ -330,6 +343,8 @@ class ComposerFullRecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
+        self.accuracy_before = state.get("accuracy_before")
+        self.pairs_before = state.get("pairs_before") or {}
         load_ema_teacher_state(
             self.ema_teacher,
             state,
@@ -343,9 +358,13 @@ class ComposerFullRecipe:
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
+        saving a checkpoint at the end of the current generation batch)."""
         cfg = self.cfg
-        before = (None, {}) if self.resumed else self.evaluate()
+        if not self.resumed:
+            before, self.pairs_before = self.evaluate()
+            self.accuracy_before = before.accuracy if before is not None else None
         progress = tqdm(
             initial=self.step,
             total=cfg.max_steps,
@@ -354,96 +373,104 @@ class ComposerFullRecipe:
         )
         prompt_batches = self._prompt_batches()
         window_start, window_tokens = time.perf_counter(), 0.0
-        while self.step < cfg.max_steps:
-            # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
-            # reference) log-probs. Channel 3 alone trains on pairs only.
-            rollout, batch_metrics = None, {}
-            if self.channels.needs_rollouts:
-                rollout = sample_rollouts(
-                    self.model,
-                    next(prompt_batches),
-                    cfg,
-                    tokenizer=self.tokenizer,
-                    reward=self.reward,
-                    generator=self.sampling_generator,
-                    reference=self.reference if self.channels.kl_reference else None,
-                    compute_old_logp=self.channels.needs_old_logp(self._on_policy()),
-                    sync_ranks=self.dist.is_distributed,
-                )
-                batch_metrics = rollout_metrics(rollout)
-            # 2. Channel 1: group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = None
-            if self.channels.policy_weight > 0:
-                advantages = group_advantages(
-                    rollout, self.channels.loss, cfg.group_size, self.dist
-                )
-                advantages = advantages * cfg.advantage_sign
-            # 3. Channel 2: the teacher's contexts, once over the whole generation batch so
-            # every row sees its group's siblings.
-            teacher_batch = None
-            if self.channels.sdpo.enabled:
-                teacher_batch = build_sdpo_teacher_batch(
-                    rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
-                )
-            # 4. Optimiser steps on the generation batch: its slices, num_iterations times.
-            rows_per_step = len(rollout) // cfg.steps_per_generation if rollout is not None else 0
-            for iteration in range(cfg.num_iterations):
-                for index in range(cfg.steps_per_generation):
-                    if self.step >= cfg.max_steps:
-                        break
-                    rows = slice(index * rows_per_step, (index + 1) * rows_per_step)
-                    step_rows = rollout.select(rows) if rollout is not None else None
-                    loss_metrics = self._optimizer_step(
-                        step_rows,
-                        advantages[rows] if advantages is not None else None,
-                        select_teacher_rows(teacher_batch, rows)
-                        if teacher_batch is not None
-                        else None,
-                        on_policy=self._on_policy(),
+        with StopRequest(self.dist) as stop:
+            while self.step < cfg.max_steps:
+                # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
+                # reference) log-probs. Channel 3 alone trains on pairs only.
+                rollout, batch_metrics = None, {}
+                if self.channels.needs_rollouts:
+                    rollout = sample_rollouts(
+                        self.model,
+                        next(prompt_batches),
+                        cfg,
+                        tokenizer=self.tokenizer,
+                        reward=self.reward,
+                        generator=self.sampling_generator,
+                        reference=self.reference if self.channels.kl_reference else None,
+                        compute_old_logp=self.channels.needs_old_logp(self._on_policy()),
+                        sync_ranks=self.dist.is_distributed,
                     )
-                    if step_rows is not None:
-                        window_tokens += float(
-                            (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
+                    batch_metrics = rollout_metrics(rollout)
+                # 2. Channel 1: group-relative advantages (after the KL penalty, in kl_mode=reward).
+                advantages = None
+                if self.channels.policy_weight > 0:
+                    advantages = group_advantages(
+                        rollout, self.channels.loss, cfg.group_size, self.dist
+                    )
+                    advantages = advantages * cfg.advantage_sign
+                # 3. Channel 2: the teacher's contexts, once over the whole generation batch so
+                # every row sees its group's siblings.
+                teacher_batch = None
+                if self.channels.sdpo.enabled:
+                    teacher_batch = build_sdpo_teacher_batch(
+                        rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
+                    )
+                # 4. Optimiser steps on the generation batch: its slices, num_iterations times.
+                rows_per_step = (
+                    len(rollout) // cfg.steps_per_generation if rollout is not None else 0
+                )
+                for iteration in range(cfg.num_iterations):
+                    for index in range(cfg.steps_per_generation):
+                        if self.step >= cfg.max_steps:
+                            break
+                        rows = slice(index * rows_per_step, (index + 1) * rows_per_step)
+                        step_rows = rollout.select(rows) if rollout is not None else None
+                        loss_metrics = self._optimizer_step(
+                            step_rows,
+                            advantages[rows] if advantages is not None else None,
+                            select_teacher_rows(teacher_batch, rows)
+                            if teacher_batch is not None
+                            else None,
+                            on_policy=self._on_policy(),
                         )
-                    self.step += 1
-                    progress.update(1)
-                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
-                    if self.step % cfg.logging.log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - window_start
-                        window = torch.tensor([window_tokens], dtype=torch.float64)
-                        total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
-                        self._log(
-                            {
-                                **loss_metrics,
-                                **batch_metrics,
-                                "iteration": float(iteration),
-                                "lr": self.optimizer.param_groups[0]["lr"],
-                                # Rollout tokens trained on (0 with channel 3 alone).
-                                "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **peak_memory_metrics(self.dist.device),
-                            }
-                        )
-                        window_start, window_tokens = time.perf_counter(), 0.0
-                    if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
-                        self.evaluate()
-            every = cfg.checkpoint.save_every_n_steps
-            if every and self.step % every == 0:
-                self.save_checkpoint()
+                        if step_rows is not None:
+                            window_tokens += float(
+                                (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
+                            )
+                        self.step += 1
+                        progress.update(1)
+                        progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
+                        if self.step % cfg.logging.log_every_n_steps == 0:
+                            elapsed = time.perf_counter() - window_start
+                            window = torch.tensor([window_tokens], dtype=torch.float64)
+                            total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
+                            self._log(
+                                {
+                                    **loss_metrics,
+                                    **batch_metrics,
+                                    "iteration": float(iteration),
+                                    "lr": self.optimizer.param_groups[0]["lr"],
+                                    # Rollout tokens trained on (0 with channel 3 alone).
+                                    "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                                    **peak_memory_metrics(self.dist.device),
+                                }
+                            )
+                            window_start, window_tokens = time.perf_counter(), 0.0
+                        if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+                            self.evaluate()
+                every = cfg.checkpoint.save_every_n_steps
+                saved = self.save_checkpoint() if every and self.step % every == 0 else None
+                if self.step < cfg.max_steps and stop.requested():
+                    progress.close()
+                    print_stopped(self.step, saved or self.save_checkpoint(), self.dist)
+                    return False
         progress.close()
         after = self.evaluate()
         every = cfg.checkpoint.save_every_n_steps
         if not (every and self.step % every == 0):  # the last step was not saved yet
             self.save_checkpoint()
-        self._print_before_after(before, after)
+        self._print_before_after(after)
+        return True
 
-    def _print_before_after(self, before: tuple[Any, dict], after: tuple[Any, dict]) -> None:
-        """The run's summary lines: held-out accuracy and held-out pair metrics."""
+    def _print_before_after(self, after: tuple[Any, dict]) -> None:
+        """The run's summary lines: held-out accuracy and held-out pair metrics, against the
+        step-0 values (kept in checkpoints, so a resumed run prints the same lines)."""
         if not self.dist.is_main:
             return
-        (before_result, before_pairs), (after_result, after_pairs) = before, after
-        if before_result is not None and after_result is not None:
+        (after_result, after_pairs), before_pairs = after, self.pairs_before
+        if self.accuracy_before is not None and after_result is not None:
             print(
-                f"held-out accuracy: before {before_result.accuracy:.3f} -> after "
+                f"held-out accuracy: before {self.accuracy_before:.3f} -> after "
                 f"{after_result.accuracy:.3f} ({after_result.num_samples} problems, "
                 f"{self.step} steps)",
                 flush=True,
@@ -546,7 +573,7 @@ class ComposerFullRecipe:
             print(f"[step {self.step}] {result.summary()}", flush=True)
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
@@ -561,6 +588,8 @@ class ComposerFullRecipe:
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
+                "accuracy_before": self.accuracy_before,
+                "pairs_before": self.pairs_before,
                 # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
                 **(self.pairs.state_dict() if self.pairs is not None else {}),
                 **ema_teacher_state(self.ema_teacher, self.dist),
@@ -568,9 +597,11 @@ class ComposerFullRecipe:
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
+            run_identity=self.identity,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:
@@ -588,8 +619,10 @@ def recipe_main(cfg: DictConfig) -> None:
     with config.setup_errors_as_one_line():
         recipe = ComposerFullRecipe(cfg)
         recipe.setup()
-    recipe.train()
+    finished = recipe.train()
     recipe.cleanup()
+    if not finished:  # stopped by a signal, after saving a checkpoint
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ from composer_tune.channels.sdpo.teacher import (
     ema_teacher_state,
     load_ema_teacher_state,
 )
+from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -208,6 +209,14 @@ class DiLoCoRecipe:
         barrier()
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A resumed checkpoint must come from this run's settings (not a variant's).
+        self.identity = run_identity(cfg)
+        if resume_path is not None:
+            check_resume_identity(
+                resume_path,
+                self.identity,
+                allow_changes=cfg.checkpoint.resume_with_changed_config,
+            )
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
         check_teacher_length(self.channels.sdpo, self.model.max_seq_len)
@@ -716,6 +725,7 @@ class DiLoCoRecipe:
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
+            run_identity=self.identity,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path} at outer step {self.diloco.outer_step}", flush=True)

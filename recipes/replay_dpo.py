@@ -33,6 +33,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from composer_tune.channels.replay_dpo import (
     PairChannel,
     pair_loss_backward,
 )
+from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -82,6 +84,7 @@ from composer_tune.rollout.rollouts import (
     rollout_metrics,
     sequence_logprobs,
 )
+from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -134,6 +137,8 @@ class ReplayDPORecipe:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # prompt batches of the current epoch already used
+        self.accuracy_before: float | None = None  # held-out accuracy at step 0
+        self.pairs_before: dict[str, float] = {}  # held-out pair metrics at step 0
         # The sampler splits the prompts; random init is seeded in _build_model.
         training.set_seed(seed=cfg.seed)
 
@@ -151,6 +156,14 @@ class ReplayDPORecipe:
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A resumed checkpoint must come from this run's settings (not a variant's).
+        self.identity = run_identity(cfg)
+        if resume_path is not None:
+            check_resume_identity(
+                resume_path,
+                self.identity,
+                allow_changes=cfg.checkpoint.resume_with_changed_config,
+            )
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
         # The reference is the starting policy, never a resumed one, and only exists for KL or
@@ -315,15 +328,21 @@ class ReplayDPORecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
+        self.accuracy_before = state.get("accuracy_before")
+        self.pairs_before = state.get("pairs_before") or {}
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return state
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
+        saving a checkpoint at the end of the current generation batch)."""
         cfg = self.cfg
-        before = (None, {}) if self.resumed else self.evaluate()
+        if not self.resumed:
+            before, self.pairs_before = self.evaluate()
+            self.accuracy_before = before.accuracy if before is not None else None
         progress = tqdm(
             initial=self.step,
             total=cfg.max_steps,
@@ -332,68 +351,74 @@ class ReplayDPORecipe:
         )
         prompt_batches = self._prompt_batches()
         window_start, window_tokens = time.perf_counter(), 0.0
-        while self.step < cfg.max_steps:
-            # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
-            rollout = self._rollout(next(prompt_batches))
-            batch_metrics = rollout_metrics(rollout)
-            # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = (
-                group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
-                * cfg.advantage_sign
-            )
-            # 3. Optimiser steps on the generation batch: its slices, num_iterations times.
-            rows_per_step = len(rollout) // cfg.steps_per_generation
-            for iteration in range(cfg.num_iterations):
-                for start in range(0, len(rollout), rows_per_step):
-                    if self.step >= cfg.max_steps:
-                        break
-                    step_rows = rollout.select(slice(start, start + rows_per_step))
-                    loss_metrics = self._optimizer_step(
-                        step_rows,
-                        advantages[start : start + rows_per_step],
-                        on_policy=self._on_policy(),
-                    )
-                    window_tokens += float(
-                        (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
-                    )
-                    self.step += 1
-                    progress.update(1)
-                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
-                    if self.step % cfg.logging.log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - window_start
-                        window = torch.tensor([window_tokens], dtype=torch.float64)
-                        total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
-                        self._log(
-                            {
-                                **loss_metrics,
-                                **batch_metrics,
-                                "iteration": float(iteration),
-                                "lr": self.optimizer.param_groups[0]["lr"],
-                                "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **peak_memory_metrics(self.dist.device),
-                            }
+        with StopRequest(self.dist) as stop:
+            while self.step < cfg.max_steps:
+                # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
+                rollout = self._rollout(next(prompt_batches))
+                batch_metrics = rollout_metrics(rollout)
+                # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
+                advantages = (
+                    group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
+                    * cfg.advantage_sign
+                )
+                # 3. Optimiser steps on the generation batch: its slices, num_iterations times.
+                rows_per_step = len(rollout) // cfg.steps_per_generation
+                for iteration in range(cfg.num_iterations):
+                    for start in range(0, len(rollout), rows_per_step):
+                        if self.step >= cfg.max_steps:
+                            break
+                        step_rows = rollout.select(slice(start, start + rows_per_step))
+                        loss_metrics = self._optimizer_step(
+                            step_rows,
+                            advantages[start : start + rows_per_step],
+                            on_policy=self._on_policy(),
                         )
-                        window_start, window_tokens = time.perf_counter(), 0.0
-                    if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
-                        self.evaluate()
-            every = cfg.checkpoint.save_every_n_steps
-            if every and self.step % every == 0:
-                self.save_checkpoint()
+                        window_tokens += float(
+                            (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
+                        )
+                        self.step += 1
+                        progress.update(1)
+                        progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
+                        if self.step % cfg.logging.log_every_n_steps == 0:
+                            elapsed = time.perf_counter() - window_start
+                            window = torch.tensor([window_tokens], dtype=torch.float64)
+                            total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
+                            self._log(
+                                {
+                                    **loss_metrics,
+                                    **batch_metrics,
+                                    "iteration": float(iteration),
+                                    "lr": self.optimizer.param_groups[0]["lr"],
+                                    "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                                    **peak_memory_metrics(self.dist.device),
+                                }
+                            )
+                            window_start, window_tokens = time.perf_counter(), 0.0
+                        if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+                            self.evaluate()
+                every = cfg.checkpoint.save_every_n_steps
+                saved = self.save_checkpoint() if every and self.step % every == 0 else None
+                if self.step < cfg.max_steps and stop.requested():
+                    progress.close()
+                    print_stopped(self.step, saved or self.save_checkpoint(), self.dist)
+                    return False
         progress.close()
         after = self.evaluate()
         every = cfg.checkpoint.save_every_n_steps
         if not (every and self.step % every == 0):  # the last step was not saved yet
             self.save_checkpoint()
-        self._print_before_after(before, after)
+        self._print_before_after(after)
+        return True
 
-    def _print_before_after(self, before: tuple[Any, dict], after: tuple[Any, dict]) -> None:
-        """The run's summary lines: held-out accuracy and held-out pair metrics."""
+    def _print_before_after(self, after: tuple[Any, dict]) -> None:
+        """The run's summary lines: held-out accuracy and held-out pair metrics, against the
+        step-0 values (kept in checkpoints, so a resumed run prints the same lines)."""
         if not self.dist.is_main:
             return
-        (before_result, before_pairs), (after_result, after_pairs) = before, after
-        if before_result is not None and after_result is not None:
+        (after_result, after_pairs), before_pairs = after, self.pairs_before
+        if self.accuracy_before is not None and after_result is not None:
             print(
-                f"held-out accuracy: before {before_result.accuracy:.3f} -> after "
+                f"held-out accuracy: before {self.accuracy_before:.3f} -> after "
                 f"{after_result.accuracy:.3f} ({after_result.num_samples} problems, "
                 f"{self.step} steps)",
                 flush=True,
@@ -541,7 +566,7 @@ class ReplayDPORecipe:
             print(f"[step {self.step}] {result.summary()}", flush=True)
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
@@ -556,14 +581,18 @@ class ReplayDPORecipe:
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
+                "accuracy_before": self.accuracy_before,
+                "pairs_before": self.pairs_before,
                 **(self.pairs.state_dict() if self.pairs is not None else {}),
             },
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
+            run_identity=self.identity,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:
@@ -581,8 +610,10 @@ def recipe_main(cfg: DictConfig) -> None:
     with config.setup_errors_as_one_line():
         recipe = ReplayDPORecipe(cfg)
         recipe.setup()
-    recipe.train()
+    finished = recipe.train()
     recipe.cleanup()
+    if not finished:  # stopped by a signal, after saving a checkpoint
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from composer_tune.channels.sdpo.teacher import (
     load_ema_teacher_state,
     sdpo_config_from,
 )
+from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -86,6 +88,7 @@ from composer_tune.losses import (
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
+from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -137,6 +140,7 @@ class SDPORecipe:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # prompt batches of the current epoch already used
+        self.accuracy_before: float | None = None  # held-out accuracy at step 0
         # Per-rank RNG streams (torchtune offsets the seed by the rank); random init is seeded
         # identically on every rank in _build_model.
         training.set_seed(seed=cfg.seed)
@@ -153,6 +157,14 @@ class SDPORecipe:
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A resumed checkpoint must come from this run's settings (not a variant's).
+        self.identity = run_identity(cfg)
+        if resume_path is not None:
+            check_resume_identity(
+                resume_path,
+                self.identity,
+                allow_changes=cfg.checkpoint.resume_with_changed_config,
+            )
         initial = self._initial_checkpoint(cfg)
         self.model = self._setup_model(cfg, resume_path or initial)
         check_teacher_length(self.sdpo_cfg, self.model.max_seq_len)
@@ -310,6 +322,7 @@ class SDPORecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
+        self.accuracy_before = state.get("accuracy_before")
         load_ema_teacher_state(
             self.ema_teacher,
             state,
@@ -322,9 +335,13 @@ class SDPORecipe:
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
+        saving a checkpoint at the end of the current generation batch)."""
         cfg = self.cfg
-        before = None if self.resumed else self.evaluate()
+        if not self.resumed:
+            before = self.evaluate()
+            self.accuracy_before = before.accuracy if before is not None else None
         progress = tqdm(
             initial=self.step,
             total=cfg.max_steps,
@@ -333,74 +350,79 @@ class SDPORecipe:
         )
         prompt_batches = self._prompt_batches()
         window_start, window_tokens = time.perf_counter(), 0.0
-        while self.step < cfg.max_steps:
-            # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
-            rollout = self._rollout(next(prompt_batches))
-            batch_metrics = rollout_metrics(rollout)
-            # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
-            advantages = (
-                group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
-                * cfg.advantage_sign
-            )
-            # 3. SDPO teacher contexts, once per generation so every row sees all its siblings.
-            teacher_batch = (
-                build_sdpo_teacher_batch(rollout, tokenizer=self.tokenizer, cfg=self.sdpo_cfg)
-                if self.sdpo_cfg.enabled
-                else None
-            )
-            # 4. Optimiser steps on the generation batch: its slices, num_iterations times.
-            rows_per_step = len(rollout) // cfg.steps_per_generation
-            for iteration in range(cfg.num_iterations):
-                for start in range(0, len(rollout), rows_per_step):
-                    if self.step >= cfg.max_steps:
-                        break
-                    rows = slice(start, start + rows_per_step)
-                    step_rows = rollout.select(rows)
-                    loss_metrics = self._optimizer_step(
-                        step_rows,
-                        advantages[rows],
-                        select_teacher_rows(teacher_batch, rows)
-                        if teacher_batch is not None
-                        else None,
-                        on_policy=self._on_policy(),
-                    )
-                    window_tokens += float(
-                        (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
-                    )
-                    self.step += 1
-                    progress.update(1)
-                    progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
-                    if self.step % cfg.logging.log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - window_start
-                        window = torch.tensor([window_tokens], dtype=torch.float64)
-                        total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
-                        self._log(
-                            {
-                                **loss_metrics,
-                                **batch_metrics,
-                                "iteration": float(iteration),
-                                "lr": self.optimizer.param_groups[0]["lr"],
-                                "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **peak_memory_metrics(self.dist.device),
-                            }
+        with StopRequest(self.dist) as stop:
+            while self.step < cfg.max_steps:
+                # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
+                rollout = self._rollout(next(prompt_batches))
+                batch_metrics = rollout_metrics(rollout)
+                # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
+                advantages = (
+                    group_advantages(rollout, self.loss_cfg, cfg.group_size, self.dist)
+                    * cfg.advantage_sign
+                )
+                # 3. SDPO teacher contexts, once per generation so every row sees all its siblings.
+                teacher_batch = (
+                    build_sdpo_teacher_batch(rollout, tokenizer=self.tokenizer, cfg=self.sdpo_cfg)
+                    if self.sdpo_cfg.enabled
+                    else None
+                )
+                # 4. Optimiser steps on the generation batch: its slices, num_iterations times.
+                rows_per_step = len(rollout) // cfg.steps_per_generation
+                for iteration in range(cfg.num_iterations):
+                    for start in range(0, len(rollout), rows_per_step):
+                        if self.step >= cfg.max_steps:
+                            break
+                        rows = slice(start, start + rows_per_step)
+                        step_rows = rollout.select(rows)
+                        loss_metrics = self._optimizer_step(
+                            step_rows,
+                            advantages[rows],
+                            select_teacher_rows(teacher_batch, rows)
+                            if teacher_batch is not None
+                            else None,
+                            on_policy=self._on_policy(),
                         )
-                        window_start, window_tokens = time.perf_counter(), 0.0
-                    if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
-                        self.evaluate()
-            every = cfg.checkpoint.save_every_n_steps
-            if every and self.step % every == 0:
-                self.save_checkpoint()
+                        window_tokens += float(
+                            (step_rows.prompt_lengths + step_rows.completion_lengths).sum()
+                        )
+                        self.step += 1
+                        progress.update(1)
+                        progress.set_postfix(progress_postfix(batch_metrics, loss_metrics))
+                        if self.step % cfg.logging.log_every_n_steps == 0:
+                            elapsed = time.perf_counter() - window_start
+                            window = torch.tensor([window_tokens], dtype=torch.float64)
+                            total_tokens = float(all_reduce_sum(window.to(self.dist.device)))
+                            self._log(
+                                {
+                                    **loss_metrics,
+                                    **batch_metrics,
+                                    "iteration": float(iteration),
+                                    "lr": self.optimizer.param_groups[0]["lr"],
+                                    "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                                    **peak_memory_metrics(self.dist.device),
+                                }
+                            )
+                            window_start, window_tokens = time.perf_counter(), 0.0
+                        if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+                            self.evaluate()
+                every = cfg.checkpoint.save_every_n_steps
+                saved = self.save_checkpoint() if every and self.step % every == 0 else None
+                if self.step < cfg.max_steps and stop.requested():
+                    progress.close()
+                    print_stopped(self.step, saved or self.save_checkpoint(), self.dist)
+                    return False
         progress.close()
         after = self.evaluate()
         every = cfg.checkpoint.save_every_n_steps
         if not (every and self.step % every == 0):  # the last step was not saved yet
             self.save_checkpoint()
-        if self.dist.is_main and before is not None and after is not None:
+        if self.dist.is_main and self.accuracy_before is not None and after is not None:
             print(
-                f"held-out accuracy: before {before.accuracy:.3f} -> after {after.accuracy:.3f} "
-                f"({after.num_samples} problems, {self.step} steps)",
+                f"held-out accuracy: before {self.accuracy_before:.3f} -> after "
+                f"{after.accuracy:.3f} ({after.num_samples} problems, {self.step} steps)",
                 flush=True,
             )
+        return True
 
     def _prompt_batches(self):
         """Endless prompt batches from the saved data position on, epoch after epoch."""
@@ -545,7 +567,7 @@ class SDPORecipe:
             print(f"[step {self.step}] {result.summary()}", flush=True)
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         recipe_state = {
             "step": self.step,
@@ -553,6 +575,7 @@ class SDPORecipe:
             "batches_in_epoch": self.batches_in_epoch,
             "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
             "nonfinite_guard": self.guard.state_dict(),
+            "accuracy_before": self.accuracy_before,
         }
         # The EMA teacher, gathered on rank 0 (collective), saved with the training state.
         recipe_state.update(ema_teacher_state(self.ema_teacher, self.dist))
@@ -567,9 +590,11 @@ class SDPORecipe:
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
+            run_identity=self.identity,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.metric_logger is not None:
@@ -587,8 +612,10 @@ def recipe_main(cfg: DictConfig) -> None:
     with config.setup_errors_as_one_line():
         recipe = SDPORecipe(cfg)
         recipe.setup()
-    recipe.train()
+    finished = recipe.train()
     recipe.cleanup()
+    if not finished:  # stopped by a signal, after saving a checkpoint
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 if __name__ == "__main__":

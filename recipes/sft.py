@@ -19,6 +19,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torchtune import training
 from tqdm import tqdm
 
 from composer_tune import config
+from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     load_training_state,
     remove_stale_staging,
@@ -44,6 +46,7 @@ from composer_tune.evaluation import evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
 from composer_tune.models.build import build_decoder
+from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
 
 @dataclass
@@ -71,6 +74,7 @@ class SFTRecipe:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # batches of the current epoch already used
+        self.accuracy_before: float | None = None  # held-out accuracy at step 0
         # torchtune seeds each rank with seed + rank; the model's random init below re-seeds.
         training.set_seed(seed=cfg.seed)
 
@@ -91,6 +95,14 @@ class SFTRecipe:
             remove_stale_staging(cfg.output_dir)
         barrier()  # every rank looks for the latest checkpoint after the clean-up
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A resumed checkpoint must come from this run's settings (not a variant's).
+        self.identity = run_identity(cfg)
+        if resume_path is not None:
+            check_resume_identity(
+                resume_path,
+                self.identity,
+                allow_changes=cfg.checkpoint.resume_with_changed_config,
+            )
         checkpoint = resume_path or cfg.checkpoint.initial_checkpoint
         self.model = self._setup_model(cfg, checkpoint)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
@@ -200,6 +212,7 @@ class SFTRecipe:
         self.epoch = state["epoch"]
         self.batches_in_epoch = state["batches_in_epoch"]
         self.guard.load_state_dict(state["nonfinite_guard"])
+        self.accuracy_before = state.get("accuracy_before")
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
 
@@ -225,9 +238,13 @@ class SFTRecipe:
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
+        saving a checkpoint at the end of the current SFT step)."""
         cfg = self.cfg
-        before = None if self.resumed else self.evaluate()
+        if not self.resumed:
+            before = self.evaluate()
+            self.accuracy_before = before.accuracy if before is not None else None
         progress = tqdm(
             initial=self.step,
             total=cfg.max_steps,
@@ -239,60 +256,66 @@ class SFTRecipe:
         tokens_seen = torch.zeros(1, dtype=torch.float64)
         step_start = time.perf_counter()
         self.model.train()
-        while self.step < cfg.max_steps:
-            loss, num_tokens = self._loss(next(batches))
-            (loss / cfg.gradient_accumulation_steps).backward()
-            tokens_seen += num_tokens
-            accumulated += 1
-            if accumulated < cfg.gradient_accumulation_steps:
-                continue
-            accumulated = 0
-            # The norm is always computed (max_norm=inf does not clip): the guard checks it.
-            max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
-            # A NaN/inf loss or norm skips the update (weights, optimizer, LR schedule untouched).
-            if self.guard.check(self.step + 1, loss, grad_norm):
-                self.optimizer.step()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            # Each rank's loss is its share of the global token mean times world_size.
-            global_loss = float(all_reduce_sum(loss.detach().clone())) / self.dist.world_size
-            progress.update(1)
-            progress.set_postfix(loss=f"{global_loss:.4f}")
-            if self.step % cfg.logging.log_every_n_steps == 0:
-                elapsed = time.perf_counter() - step_start
-                total_tokens = float(all_reduce_sum(tokens_seen.clone()))
-                self._log(
-                    {
-                        "loss": global_loss,
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "grad_norm": float(grad_norm),
-                        "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                        **self.guard.metrics(),
-                        **self._peak_memory(),
-                    }
+        with StopRequest(self.dist) as stop:
+            while self.step < cfg.max_steps:
+                loss, num_tokens = self._loss(next(batches))
+                (loss / cfg.gradient_accumulation_steps).backward()
+                tokens_seen += num_tokens
+                accumulated += 1
+                if accumulated < cfg.gradient_accumulation_steps:
+                    continue
+                accumulated = 0
+                # The norm is always computed (max_norm=inf does not clip): the guard checks it.
+                max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), max_norm=max_norm
                 )
-                tokens_seen.zero_()
-                step_start = time.perf_counter()
-            if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
-                self.evaluate()
-            if cfg.checkpoint.save_every_n_steps and (
-                self.step % cfg.checkpoint.save_every_n_steps == 0
-            ):
-                self.save_checkpoint()
+                # A NaN/inf loss or norm skips the update (weights, optimizer, LR schedule untouched).
+                if self.guard.check(self.step + 1, loss, grad_norm):
+                    self.optimizer.step()
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                # Each rank's loss is its share of the global token mean times world_size.
+                global_loss = float(all_reduce_sum(loss.detach().clone())) / self.dist.world_size
+                progress.update(1)
+                progress.set_postfix(loss=f"{global_loss:.4f}")
+                if self.step % cfg.logging.log_every_n_steps == 0:
+                    elapsed = time.perf_counter() - step_start
+                    total_tokens = float(all_reduce_sum(tokens_seen.clone()))
+                    self._log(
+                        {
+                            "loss": global_loss,
+                            "lr": self.optimizer.param_groups[0]["lr"],
+                            "grad_norm": float(grad_norm),
+                            "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                            **self.guard.metrics(),
+                            **self._peak_memory(),
+                        }
+                    )
+                    tokens_seen.zero_()
+                    step_start = time.perf_counter()
+                if cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+                    self.evaluate()
+                every = cfg.checkpoint.save_every_n_steps
+                saved = self.save_checkpoint() if every and self.step % every == 0 else None
+                if self.step < cfg.max_steps and stop.requested():
+                    progress.close()
+                    print_stopped(self.step, saved or self.save_checkpoint(), self.dist)
+                    return False
         progress.close()
         after = self.evaluate()
         every = cfg.checkpoint.save_every_n_steps
         if not (every and self.step % every == 0):  # the last step was not saved yet
             self.save_checkpoint()
-        if self.dist.is_main and before is not None and after is not None:
+        if self.dist.is_main and self.accuracy_before is not None and after is not None:
             print(
-                f"held-out accuracy: before {before.accuracy:.3f} -> after {after.accuracy:.3f} "
-                f"({after.num_samples} problems, {self.step} steps)",
+                f"held-out accuracy: before {self.accuracy_before:.3f} -> after "
+                f"{after.accuracy:.3f} ({after.num_samples} problems, {self.step} steps)",
                 flush=True,
             )
+        return True
 
     def _batches(self):
         """Endless batches from the saved data position on, epoch after epoch."""
@@ -337,7 +360,7 @@ class SFTRecipe:
             print(f"[step {self.step}] {result.summary()}", flush=True)
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
@@ -351,13 +374,16 @@ class SFTRecipe:
                 "epoch": self.epoch,
                 "batches_in_epoch": self.batches_in_epoch,
                 "nonfinite_guard": self.guard.state_dict(),
+                "accuracy_before": self.accuracy_before,
             },
             dist_info=self.dist,
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
+            run_identity=self.identity,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def _peak_memory(self) -> dict[str, float]:
         if self.dist.device.type == "cuda":
@@ -380,8 +406,10 @@ def recipe_main(cfg: DictConfig) -> None:
     with config.setup_errors_as_one_line():
         recipe = SFTRecipe(cfg)
         recipe.setup()
-    recipe.train()
+    finished = recipe.train()
     recipe.cleanup()
+    if not finished:  # stopped by a signal, after saving a checkpoint
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,7 @@ def test_resume_continues_the_pair_stream(tmp_path: Path) -> None:
         *common,
         "checkpoint.resume_from_checkpoint=latest",
         "dpo.cache_dir=null",  # the reference table must come from the checkpoint
+        "checkpoint.resume_with_changed_config=true",  # dpo.cache_dir differs, on purpose
     )
     assert "at step 2" in resumed.stdout
     after_resume = logged_metrics(resumed.output_dir)

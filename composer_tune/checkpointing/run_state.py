@@ -43,6 +43,7 @@ from composer_tune.checkpointing.hf_checkpoint import (
     read_json,
     save_hf_checkpoint,
 )
+from composer_tune.checkpointing.run_identity import write_identity
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, barrier
 from composer_tune.models.decoder import DecoderArgs
@@ -174,8 +175,10 @@ def save_run_checkpoint(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_size: int = 4_000_000_000,
     keep_last: int | None = None,
+    run_identity: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Writes ``step_<step>`` atomically. Collective: every rank must call it."""
+    """Writes ``step_<step>`` atomically. Collective: every rank must call it. ``run_identity``
+    (``composer_tune.checkpointing.run_identity``) is recorded for resume checks."""
     root = checkpoints_root(output_dir)
     name = f"step_{step:07d}"
     final, staging, replaced = root / name, root / (_STAGING + name), root / (_REPLACED + name)
@@ -218,6 +221,8 @@ def save_run_checkpoint(
             },
             staging / TRAINING_STATE,
         )
+        if run_identity is not None:
+            write_identity(staging, run_identity)
         _fsync_tree(staging)
         # A re-save of the same step (e.g. a fresh run in an old output_dir): the old folder is
         # only deleted once the new one is in place; remove_stale_staging restores it if a kill

@@ -21,6 +21,9 @@ class CheckpointSection:
     save_every_n_steps: int = 0
     # Path to a checkpoint folder written by this recipe, or "latest" for the newest in output_dir.
     resume_from_checkpoint: str | None = None
+    # Resume although the checkpoint was written with other settings (keys outside
+    # max_steps, logging, checkpoint and evaluation cadence); otherwise that is an error.
+    resume_with_changed_config: bool = False
     # Largest safetensors shard written, in bytes.
     max_shard_size: int = 4_000_000_000
 
