@@ -18,7 +18,7 @@ from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.distributed import DistInfo
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
 from recipes.grpo import TIMING_METRICS
-from tests.recipe_runs import REPO_ROOT, TUNE, run_recipe
+from tests.recipe_runs import REPO_ROOT, TUNE, run_recipe, run_tune
 
 # Random weights and a reward random completions earn about half the time: fast steps.
 COMMON = (
@@ -32,7 +32,7 @@ COMMON = (
     "eval_dataset.num_samples=16",
     "eval_max_new_tokens=6",
     "optimizer.lr=1e-3",
-    "max_steps=8",
+    "max_steps=12",
     "checkpoint.save_every_n_steps=0",
     "logging.progress_bar=false",
 )
@@ -55,16 +55,19 @@ def _weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _interrupt_after_step(output_dir: Path, step: int, tmp_path: Path) -> tuple[int, str, str]:
+def _interrupt_after_step(
+    output_dir: Path, step: int, tmp_path: Path, *launcher: str
+) -> tuple[int, str, str]:
     """Starts the run in its own session (as a terminal's foreground job), sends SIGINT to the
-    whole group once ``step`` is logged; returns (exit status, stdout, stderr)."""
+    whole group once ``step`` is logged; returns (exit status, stdout, stderr). ``launcher``:
+    torchrun flags of ``tune run``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"
     out, err = tmp_path / "stop.out", tmp_path / "stop.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         process = subprocess.Popen(
-            [TUNE, "run", "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={output_dir}"]
-            + list(COMMON),
+            [TUNE, "run", *launcher, "recipes/grpo.py", "--config", "cpu_smoke"]
+            + [f"output_dir={output_dir}", *COMMON],
             cwd=REPO_ROOT,
             env=env,
             stdout=stdout,
@@ -95,7 +98,7 @@ def test_sigint_saves_a_checkpoint_and_latest_finishes_the_run_exactly(tmp_path:
     assert status == STOPPED_EXIT_CODE, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     stopped_at = int(latest_checkpoint(stopped_dir).name.removeprefix("step_"))
-    assert 3 <= stopped_at < 8
+    assert 3 <= stopped_at < 12
     assert f"stopped at step {stopped_at}; checkpoint {latest_checkpoint(stopped_dir)}" in stdout
 
     resumed = run_recipe(
@@ -115,6 +118,36 @@ def test_sigint_saves_a_checkpoint_and_latest_finishes_the_run_exactly(tmp_path:
     straight_weights, resumed_weights = _weights(straight.output_dir), _weights(stopped_dir)
     for name, value in straight_weights.items():
         assert torch.equal(value, resumed_weights[name]), name
+
+
+@pytest.mark.slow
+def test_sigint_under_torchrun_stops_every_rank_at_one_step(tmp_path: Path) -> None:
+    """Ctrl-C reaches torchrun's agent and both workers; the ranks agree on the step (a
+    collective), save one checkpoint and `latest` finishes the run. torchrun itself still
+    prints its SignalException traceback: that is the launcher's, not the recipe's."""
+    stopped_dir = tmp_path / "stopped"
+    status, stdout, stderr = _interrupt_after_step(
+        stopped_dir, 3, tmp_path, "--nproc_per_node", "2"
+    )
+    assert status != 0
+    assert "KeyboardInterrupt" not in stderr  # no worker died inside a step
+    stopped_at = int(latest_checkpoint(stopped_dir).name.removeprefix("step_"))
+    assert 3 <= stopped_at < 12
+    assert stdout.count(f"stopped at step {stopped_at}; checkpoint") == 1  # rank 0 only
+    resumed = run_tune(
+        "--nproc_per_node",
+        "2",
+        "recipes/grpo.py",
+        "--config",
+        "cpu_smoke",
+        f"output_dir={stopped_dir}",
+        *COMMON,
+        "checkpoint.resume_from_checkpoint=latest",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert SUMMARY.search(resumed.stdout)
+    assert latest_checkpoint(stopped_dir).name == "step_0000012"
 
 
 def test_stop_request_is_off_until_signalled_and_restores_handlers() -> None:
