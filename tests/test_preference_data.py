@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -82,6 +83,44 @@ def test_committed_pairs_are_what_make_pairs_produces(tmp_path: Path) -> None:
     assert _normalised(fresh) == _normalised(raw_rows())
     committed_summary = (PAIRS.parent / "pairs.jsonl.summary.json").read_text()
     assert (tmp_path / "pairs.jsonl.summary.json").read_text() == committed_summary
+
+
+@pytest.mark.slow
+def test_channel_3_try_out_without_an_api_key(tmp_path: Path) -> None:
+    """The README's keyless try-out: make_pairs.py keeps its work folder, and the replay reruns
+    from that cache alone (--budget-usd 0) with no key variable set, then build_pairs gives the
+    same pairs."""
+    work = tmp_path / "work"
+    subprocess.run(
+        [sys.executable, str(REPO / "tests/assets/pairs/make_pairs.py"),
+         "--out-dir", str(tmp_path), "--keep-work", str(work)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    for name in ("steps.jsonl", "teachers.yaml", "cache", "replayed.jsonl", "rules.yaml"):
+        assert (work / name).exists(), name
+    env = {k: v for k, v in os.environ.items() if "API_KEY" not in k}
+    env["PYTHONPATH"] = str(REPO)
+
+    def tool(name: str, *args: Path | str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(REPO / "tools" / f"{name}.py"), *map(str, args)],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+
+    replay = tool(
+        "replay_traces", "--steps", work / "steps.jsonl", "--teachers", work / "teachers.yaml",
+        "--cache-dir", work / "cache", "--out", tmp_path / "again.jsonl", "--budget-usd", "0",
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    pairs = tool(
+        "build_pairs", "--replayed", tmp_path / "again.jsonl", "--rules", work / "rules.yaml",
+        "--out", tmp_path / "again_pairs.jsonl",
+    )  # fmt: skip
+    assert pairs.returncode == 0, pairs.stderr[-2000:]
+    again = (tmp_path / "again_pairs.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in again] == [
+        json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()
+    ]
 
 
 # ---------------------------------------------------------------------------------- rendering

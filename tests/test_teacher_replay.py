@@ -32,6 +32,7 @@ from composer_tune.teachers.protocol import ToolCatalog, build_request, parse_co
 from composer_tune.teachers.redaction import load_redactor
 from composer_tune.teachers.report import percentile
 from tests.fake_openai_server import FakeOpenAIServer, Fault, Reply
+from tests.recipe_runs import load_tool
 
 API_KEY = "sk-fake-teacher-key-9f8e7d6c5b4a39281706"
 KEY_ENV = "COMPOSER_TUNE_TEST_TEACHER_KEY"
@@ -620,3 +621,33 @@ def test_replay_cli_end_to_end(tmp_path):
     report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     assert report["steps"] == 2 and report["total"]["billed"] == 2
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 2
+
+
+def test_cache_only_replay_needs_no_key_and_no_server(tmp_path, monkeypatch):
+    """--budget-usd 0 answers from the cache: no API key variable, no connection; a step the
+    cache lacks is a budget stop (exit 3) naming it, not a request."""
+    cli = load_tool("replay_traces")
+    steps_path = tmp_path / "steps.jsonl"
+    steps_path.write_text("".join(json.dumps(make_step(i).to_dict()) + "\n" for i in range(3)))
+    teachers_path = tmp_path / "teachers.yaml"
+
+    def argv(budget: str, limit: int) -> list[str]:
+        return [
+            "--steps", str(steps_path), "--teachers", str(teachers_path),
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out.jsonl"),
+            "--budget-usd", budget, "--limit", str(limit),
+        ]  # fmt: skip
+
+    with FakeOpenAIServer(responder, api_key=API_KEY) as server:
+        teachers_path.write_text(json.dumps({"teachers": [asdict(teacher("alpha", server))]}))
+        assert cli.main(argv("1", 2)) == 0  # pays for 2 steps, caches them
+        paid = read_jsonl(tmp_path / "out.jsonl")
+    monkeypatch.delenv(KEY_ENV)  # and the server is gone
+    assert cli.main(argv("0", 2)) == 0
+    assert read_jsonl(tmp_path / "out.jsonl") == [
+        {**record, "teachers": {"alpha": {**record["teachers"]["alpha"], "cached": True}}}
+        for record in paid
+    ]
+    assert cli.main(argv("0", 3)) == 3  # step 2 was never paid for
+    (failure,) = read_jsonl(tmp_path / "out.jsonl.failures.jsonl")
+    assert "not in the cache (cache-only replay, budget 0)" in json.dumps(failure)

@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         teachers = load_teachers(args.teachers)
-        for teacher in teachers:
-            teacher.api_key()  # fail before any work if a key variable is missing
+        if args.budget_usd != 0:  # budget 0 answers from the cache only: no key needed
+            for teacher in teachers:
+                teacher.api_key()  # fail before any work if a key variable is missing
         engine = ReplayEngine(
             teachers,
             cache=ResponseCache(args.cache_dir),

@@ -134,6 +134,8 @@ class ReplayEngine:
         self.cache = cache
         self.redactor = redactor
         self.budget = SpendBudget(budget_usd)
+        # Budget 0: answer from the cache only, never open a connection (no key needed).
+        self.cache_only = budget_usd == 0
         self.retry = retry or RetryPolicy()
         self.on_billed = on_billed
         self.stats = {teacher.name: TeacherStats() for teacher in self.teachers}
@@ -141,6 +143,7 @@ class ReplayEngine:
         self._inflight: dict[str, threading.Event] = {}
         self._inflight_lock = threading.Lock()
         self._clients: dict[str, TeacherClient] = {}
+        self._ran = False
         # Redactors may learn as they go (e.g. user names from home paths): serialise access.
         self._redact_lock = threading.Lock()
 
@@ -252,6 +255,12 @@ class ReplayEngine:
         self, index: int, teacher: TeacherConfig, request: dict[str, Any], key: str
     ) -> TeacherResult:
         estimate = self._estimate_usd(teacher, len(canonical_json(request)))
+        if self.cache_only:
+            self.budget.stopped = True  # nothing more can be answered: rerun with a budget
+            record = self._failure(
+                teacher.name, "not in the cache (cache-only replay, budget 0)", BUDGET_EXHAUSTED
+            )
+            return TeacherResult(index, teacher.name, record, failure=record)
         if not self.budget.try_reserve(estimate):
             record = self._failure(teacher.name, "spend budget reached", BUDGET_EXHAUSTED)
             return TeacherResult(index, teacher.name, record, failure=record)
@@ -321,8 +330,9 @@ class ReplayEngine:
         """
         out_path, failures_path = Path(out_path), Path(failures_path)
         temp_path = out_path.with_name(out_path.name + ".partial")
-        if self._clients:
+        if self._ran:
             raise RuntimeError("a ReplayEngine runs once (its stats and budget are per run)")
+        self._ran = True
         executors: dict[str, ThreadPoolExecutor] = {}
         report = ReplayReport(teachers=self.stats, budget_usd=self.budget.limit_usd)
         # Bounds on memory: futures queued at once, and finished steps waiting for an earlier one.
@@ -334,7 +344,8 @@ class ReplayEngine:
         completed = False
         try:
             for teacher in self.teachers:
-                self._clients[teacher.name] = TeacherClient(teacher, self.retry)
+                if not self.cache_only:  # a cache-only run needs no client and no API key
+                    self._clients[teacher.name] = TeacherClient(teacher, self.retry)
                 executors[teacher.name] = ThreadPoolExecutor(
                     max_workers=teacher.max_concurrency,
                     thread_name_prefix=f"teacher-{teacher.name}",

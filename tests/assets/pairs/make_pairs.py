@@ -23,9 +23,12 @@ steps get a consensus against the trace and some do not:
 
 Usage (from anywhere)::
 
-    python tests/assets/pairs/make_pairs.py [--out-dir DIR]
+    python tests/assets/pairs/make_pairs.py [--out-dir DIR] [--keep-work WORK]
 
-writes ``pairs.jsonl`` and ``pairs.jsonl.summary.json`` to DIR (default: this folder). Tool-call
+writes ``pairs.jsonl`` and ``pairs.jsonl.summary.json`` to DIR (default: this folder); with
+``--keep-work`` the intermediate files stay in WORK (``steps.jsonl``, ``teachers.yaml``, the
+response ``cache/``, ``replayed.jsonl`` and its report, ``rules.yaml``), so each tool can be rerun
+by hand, e.g. the replay from the cache alone with ``--budget-usd 0`` and no API key. Tool-call
 ids of teacher answers come from the fake server's request counter and the trace file's absolute
 path is recorded in each pair's provenance, so two runs differ in those fields only.
 """
@@ -33,6 +36,7 @@ path is recorded in each pair's provenance, so two runs differ in those fields o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -124,10 +128,21 @@ def make_responder(steps_path: Path):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument(
+        "--keep-work",
+        type=Path,
+        default=None,
+        help="keep the intermediate files (steps, teachers config, response cache, replayed "
+        "steps, rules) in this folder instead of a temporary one",
+    )
     args = parser.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": str(REPO), KEY_ENV: "sk-fake-make-pairs-000000000000"}
-    with tempfile.TemporaryDirectory() as temp_dir:
-        work = Path(temp_dir)
+    with contextlib.ExitStack() as stack:
+        if args.keep_work is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        else:
+            work = args.keep_work
+            work.mkdir(parents=True, exist_ok=True)
         steps = work / "steps.jsonl"
         _run(
             ["tools/ingest_traces.py", str(TRACE), "--out", str(steps),
