@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import signal
 import subprocess
@@ -732,3 +733,23 @@ def test_launcher_ctrl_c_stops_every_replica() -> None:
     assert launcher.returncode == 130, text
     assert "[replica 0] got SIGTERM" in text and "[replica 1] got SIGTERM" in text
     assert "[launcher] got SIGINT; stopping the replicas" in text
+
+
+def test_cpu_replicas_drop_only_torchft_flight_recorder_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from composer_tune.diloco.trainer import quiet_flight_recorder_warning
+
+    quiet_flight_recorder_warning()
+    quiet_flight_recorder_warning()  # idempotent: one filter
+    manager_logger = logging.getLogger("torchft.manager")
+    assert len(manager_logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="torchft.manager"):
+        manager_logger.warning(
+            "[r/0 - step 1] Unable to reset NCCL flight recorder recording so traces will be "
+            "incorrect."
+        )
+        manager_logger.warning("[r/0 - step 1] some other torchft warning")
+    assert [record.getMessage() for record in caplog.records] == [
+        "[r/0 - step 1] some other torchft warning"
+    ]

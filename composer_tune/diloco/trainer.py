@@ -47,6 +47,7 @@ DiLoCo step rather than a copy of one replica's weights.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -70,6 +71,24 @@ from composer_tune.diloco.fragments import split_into_fragments
 from composer_tune.diloco.metrics import OuterStepMetrics, build_outer_step_metrics, payload_bytes
 
 _STATE_KEYS = ("model", "inner_optimizer", "lr_scheduler", "outer")
+
+
+# torchft warns on every quorum that it cannot reset NCCL's flight recorder when torch lacks
+# it; with gloo (CPU) there is no NCCL trace to reset, so the line only alarms.
+FLIGHT_RECORDER_WARNING = "Unable to reset NCCL flight recorder"
+
+
+def quiet_flight_recorder_warning() -> None:
+    """Drops that one message from the ``torchft.manager`` logger (once per process); every
+    other torchft warning still prints."""
+    manager_logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _DropFlightRecorderWarning) for f in manager_logger.filters):
+        manager_logger.addFilter(_DropFlightRecorderWarning())
+
+
+class _DropFlightRecorderWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return FLIGHT_RECORDER_WARNING not in record.getMessage()
 
 
 class _AdvertisedHTTPTransport(HTTPTransport):
@@ -177,11 +196,12 @@ class DiLoCoTrainer:
             )
             store_host, store_port = cfg.store_host, self._store.port
         timeout = timedelta(seconds=cfg.timeout_s)
+        nccl = cfg.resolved_backend(device) == "nccl"
         pg: ProcessGroup = (
-            ProcessGroupNCCL(timeout=timeout)
-            if cfg.resolved_backend(device) == "nccl"
-            else ProcessGroupGloo(timeout=timeout)
+            ProcessGroupNCCL(timeout=timeout) if nccl else ProcessGroupGloo(timeout=timeout)
         )
+        if not nccl:
+            quiet_flight_recorder_warning()
         return Manager(
             pg=pg,
             load_state_dict=self._load_heal_state,
