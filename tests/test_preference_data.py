@@ -73,29 +73,24 @@ def _normalised(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_committed_pairs_are_what_make_pairs_produces(tmp_path: Path) -> None:
-    """ingest -> replay against the fake server -> build_pairs, rerun from scratch."""
+def test_committed_pairs_are_what_make_pairs_produces_and_replay_needs_no_key(
+    tmp_path: Path,
+) -> None:
+    """ingest -> replay against the fake server -> build_pairs, rerun from scratch; then the
+    README's keyless try-out: the kept work folder's cache answers a --budget-usd 0 replay with
+    no key variable set, and build_pairs gives the same pairs again."""
+    work = tmp_path / "work"
     script = REPO / "tests/assets/pairs/make_pairs.py"
     subprocess.run(
-        [sys.executable, str(script), "--out-dir", str(tmp_path)], check=True, capture_output=True
+        [sys.executable, str(script), "--out-dir", str(tmp_path), "--keep-work", str(work)],
+        check=True,
+        capture_output=True,
     )
     fresh = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert _normalised(fresh) == _normalised(raw_rows())
     committed_summary = (PAIRS.parent / "pairs.jsonl.summary.json").read_text()
     assert (tmp_path / "pairs.jsonl.summary.json").read_text() == committed_summary
 
-
-@pytest.mark.slow
-def test_channel_3_try_out_without_an_api_key(tmp_path: Path) -> None:
-    """The README's keyless try-out: make_pairs.py keeps its work folder, and the replay reruns
-    from that cache alone (--budget-usd 0) with no key variable set, then build_pairs gives the
-    same pairs."""
-    work = tmp_path / "work"
-    subprocess.run(
-        [sys.executable, str(REPO / "tests/assets/pairs/make_pairs.py"),
-         "--out-dir", str(tmp_path), "--keep-work", str(work)],
-        check=True, capture_output=True,
-    )  # fmt: skip
     for name in ("steps.jsonl", "teachers.yaml", "cache", "replayed.jsonl", "rules.yaml"):
         assert (work / name).exists(), name
     env = {k: v for k, v in os.environ.items() if "API_KEY" not in k}
@@ -118,9 +113,7 @@ def test_channel_3_try_out_without_an_api_key(tmp_path: Path) -> None:
     )  # fmt: skip
     assert pairs.returncode == 0, pairs.stderr[-2000:]
     again = (tmp_path / "again_pairs.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in again] == [
-        json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()
-    ]
+    assert [json.loads(line) for line in again] == fresh
 
 
 # ---------------------------------------------------------------------------------- rendering
