@@ -63,6 +63,7 @@ from composer_tune.channels.sdpo.teacher import (
 )
 from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
+    check_checkpoint_section,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -158,6 +159,7 @@ class SDPORecipe:
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         # A resumed checkpoint must come from this run's settings (not a variant's).
+        check_checkpoint_section(cfg.checkpoint)
         self.identity = run_identity(cfg)
         if resume_path is not None:
             check_resume_identity(
@@ -591,6 +593,7 @@ class SDPORecipe:
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
             run_identity=self.identity,
+            keep_last=self.cfg.checkpoint.keep_last,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)

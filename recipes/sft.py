@@ -31,6 +31,7 @@ from tqdm import tqdm
 from composer_tune import config
 from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
+    check_checkpoint_section,
     load_training_state,
     remove_stale_staging,
     resolve_resume_path,
@@ -96,6 +97,7 @@ class SFTRecipe:
         barrier()  # every rank looks for the latest checkpoint after the clean-up
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
         # A resumed checkpoint must come from this run's settings (not a variant's).
+        check_checkpoint_section(cfg.checkpoint)
         self.identity = run_identity(cfg)
         if resume_path is not None:
             check_resume_identity(
@@ -132,7 +134,6 @@ class SFTRecipe:
             "logging.log_every_n_steps": 1,
             "max_steps": 0,
             "eval_every_n_steps": 0,
-            "checkpoint.save_every_n_steps": 0,
         }
         for key, low in minimum.items():
             value = OmegaConf.select(cfg, key)
@@ -380,6 +381,7 @@ class SFTRecipe:
             tokenizer_dir=self.cfg.tokenizer.path,
             max_shard_size=self.cfg.checkpoint.max_shard_size,
             run_identity=self.identity,
+            keep_last=self.cfg.checkpoint.keep_last,
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path}", flush=True)

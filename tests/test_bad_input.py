@@ -239,6 +239,7 @@ def test_dataset_smaller_than_a_batch_names_the_batch_size(tmp_path: Path, no_mo
         "logging.log_every_n_steps=0",
         "max_consecutive_nonfinite_steps=0",
         "checkpoint.save_every_n_steps=-1",
+        "checkpoint.keep_last=0",
     ],
 )
 def test_counts_out_of_range_name_the_key(tmp_path: Path, no_model: None, override: str) -> None:

@@ -162,6 +162,21 @@ def full_model_state_dict(model: nn.Module, dist_info: DistInfo) -> dict[str, to
     return {key: value.detach().cpu() for key, value in model.state_dict().items()}
 
 
+def check_checkpoint_section(section: Any) -> None:
+    """Rejects a ``checkpoint`` config section's bad counts at set-up, naming the key (a bad
+    value would otherwise surface only at the first save)."""
+    if section.save_every_n_steps < 0:
+        raise ValueError(
+            f"config key checkpoint.save_every_n_steps must be >= 0, got "
+            f"{section.save_every_n_steps}"
+        )
+    if section.keep_last is not None and section.keep_last < 1:
+        raise ValueError(
+            f"config key checkpoint.keep_last must be >= 1 or null (keep all), got "
+            f"{section.keep_last}"
+        )
+
+
 def save_run_checkpoint(
     *,
     output_dir: str | os.PathLike[str],
@@ -178,7 +193,10 @@ def save_run_checkpoint(
     run_identity: Mapping[str, Any] | None = None,
 ) -> Path:
     """Writes ``step_<step>`` atomically. Collective: every rank must call it. ``run_identity``
-    (``composer_tune.checkpointing.run_identity``) is recorded for resume checks."""
+    (``composer_tune.checkpointing.run_identity``) is recorded for resume checks; ``keep_last``
+    (>= 1) then deletes all but the newest that many checkpoints."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     root = checkpoints_root(output_dir)
     name = f"step_{step:07d}"
     final, staging, replaced = root / name, root / (_STAGING + name), root / (_REPLACED + name)

@@ -26,6 +26,8 @@ class CheckpointSection:
     resume_with_changed_config: bool = False
     # Largest safetensors shard written, in bytes.
     max_shard_size: int = 4_000_000_000
+    # Keep only the newest N checkpoints (N >= 1); null keeps every one.
+    keep_last: int | None = None
 
 
 @dataclass
