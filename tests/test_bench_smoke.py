@@ -78,3 +78,12 @@ def test_rl_step_bench_prints_phases_per_variant() -> None:
         assert generation > 0 and forward > 0 and rest > 0 and old_logp == 0
         assert total >= generation + forward
     assert float(rows[0][2]) == 1.0
+
+
+@pytest.mark.slow
+def test_checkpoint_save_bench_prints_size_and_time() -> None:
+    out = _run("bench_checkpoint_save.py", "--recipe", "grpo", "--config", "cpu_smoke")
+    match = re.search(r"([\d.]+)M parameters, (\d+) MB per checkpoint, ([\d.]+)-([\d.]+) s", out)
+    assert match, out
+    assert float(match.group(1)) > 0 and int(match.group(2)) > 0
+    assert 0 < float(match.group(3)) <= float(match.group(4))
