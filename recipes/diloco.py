@@ -179,6 +179,8 @@ class DiLoCoRecipe:
         self.step = 0  # inner optimiser steps this replica took
         self.epoch = 0
         self.batches_in_epoch = 0  # prompt batches of the current epoch already used
+        self.accuracy_before: float | None = None  # held-out accuracy at step 0
+        self.pairs_before: dict[str, float] = {}  # held-out pair metrics at step 0
         # Same seed on every replica and rank: identical initial weights (DiLoCo needs them).
         training.set_seed(seed=cfg.seed)
 
@@ -432,6 +434,8 @@ class DiLoCoRecipe:
         self.batches_in_epoch = state["batches_in_epoch"]
         self.sampling_generator.set_state(state["sampling_generator"][self.dist.rank])
         self.guard.load_state_dict(state["nonfinite_guard"])
+        self.accuracy_before = state.get("accuracy_before")
+        self.pairs_before = state.get("pairs_before") or {}
         load_ema_teacher_state(
             self.ema_teacher,
             state,
@@ -451,7 +455,9 @@ class DiLoCoRecipe:
 
     def train(self) -> None:
         cfg = self.cfg
-        before = (None, {}) if self.resumed else self.evaluate()
+        if not self.resumed:
+            before, self.pairs_before = self.evaluate()
+            self.accuracy_before = before.accuracy if before is not None else None
         progress = tqdm(
             initial=self.diloco.outer_step,
             total=self.max_outer_steps,
@@ -548,17 +554,18 @@ class DiLoCoRecipe:
             after = self.evaluate()
             if saved_outer_step != self.diloco.outer_step:  # the last sync was not saved yet
                 self.save_checkpoint()
-        self._print_before_after(before, after)
+        self._print_before_after(after)
 
-    def _print_before_after(self, before: tuple[Any, dict], after: tuple[Any, dict]) -> None:
+    def _print_before_after(self, after: tuple[Any, dict]) -> None:
         """The run's summary lines: held-out accuracy and held-out pair metrics, both of the
-        global weights."""
+        global weights, against the step-0 values (kept in checkpoints: a resumed run prints
+        the same lines)."""
         if not self.dist.is_main:
             return
-        (before_result, before_pairs), (after_result, after_pairs) = before, after
-        if before_result is not None and after_result is not None:
+        (after_result, after_pairs), before_pairs = after, self.pairs_before
+        if self.accuracy_before is not None and after_result is not None:
             print(
-                f"held-out accuracy (global weights): before {before_result.accuracy:.3f} -> "
+                f"held-out accuracy (global weights): before {self.accuracy_before:.3f} -> "
                 f"after {after_result.accuracy:.3f} ({after_result.num_samples} problems, "
                 f"{self.step} inner steps, {self.diloco.outer_step} outer steps)",
                 flush=True,
@@ -719,6 +726,8 @@ class DiLoCoRecipe:
                 "batches_in_epoch": self.batches_in_epoch,
                 "sampling_generator": gather_generator_states(self.sampling_generator, self.dist),
                 "nonfinite_guard": self.guard.state_dict(),
+                "accuracy_before": self.accuracy_before,
+                "pairs_before": self.pairs_before,
                 # Channel 3's pair-stream position and reference table, channel 2's EMA teacher.
                 **(self.pairs.state_dict() if self.pairs is not None else {}),
                 **ema_teacher_state(self.ema_teacher, self.dist),

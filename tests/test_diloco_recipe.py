@@ -275,6 +275,9 @@ def test_resume_from_the_middle_checkpoint_ends_on_the_same_global_weights(
         "checkpoint.resume_from_checkpoint=latest",
     )
     assert output.count(f"at step {2 * SYNC_EVERY}, outer step 2") == 2, output[-4000:]
+    # The resumed run ends with the same summary line as an uninterrupted one (step-0 values
+    # come from the checkpoint).
+    assert "held-out accuracy (global weights): before " in output, output[-4000:]
     cfg = load("cpu_smoke", *INNER)
     train_pairs = int(re.search(r"dpo: (\d+) training pairs", output).group(1))
     for replica in (0, 1):
