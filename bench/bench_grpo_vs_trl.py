@@ -13,7 +13,7 @@ hyper-parameters, gradient clipping and thread count.
 
 composer-tune's step is ``GRPORecipe`` itself, built from the cpu_smoke config with overrides,
 driven one generation batch at a time through the same methods its ``train()`` loop calls
-(``_rollout`` -> ``_advantages`` -> ``_optimizer_step``). TRL's step is one optimiser step of
+(``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``). TRL's step is one optimiser step of
 ``trainer.train()``, timed by a callback from ``on_step_begin`` (before TRL generates) to
 ``on_step_end`` (after its optimiser step). Timing runs both in ONE process, alternating
 TRL step / composer-tune step (ABAB...), so load from other processes hits both alike; peak
@@ -41,6 +41,7 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/bench_grpo_vs_trl.py` from a
 
 import torch  # noqa: E402
 
+from composer_tune.channels.policy import group_advantages  # noqa: E402
 from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
@@ -275,7 +276,10 @@ class ComposerStep:
         # GRPORecipe.train()'s loop body with steps_per_generation = num_iterations = 1.
         recipe = self.recipe
         rollout = recipe._rollout(samples)
-        advantages = recipe._advantages(rollout) * recipe.cfg.advantage_sign
+        advantages = (
+            group_advantages(rollout, recipe.loss_cfg, recipe.cfg.group_size, recipe.dist)
+            * recipe.cfg.advantage_sign
+        )
         recipe._optimizer_step(rollout, advantages, on_policy=True)
         recipe.step += 1
         self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))

@@ -5,7 +5,7 @@
 
 Each ``--variant`` (space-separated ``key=value`` overrides) is ``recipes/grpo.py``'s GRPORecipe
 built from ``--config`` plus those overrides, driven through the methods its ``train()`` loop
-calls (``_rollout`` -> ``_advantages`` -> ``_optimizer_step``), on the same prompt batches. The
+calls (``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``), on the same prompt batches. The
 variants take turns step by step (A, B, A, B, ...) in one process, so load from other processes
 hits all of them alike. The first ``--warmup`` steps of each are not counted. Phases: generation
 (KV-cache sampling), reward, old log-prob pass (no grad; absent from on-policy GRPO), train
@@ -79,10 +79,15 @@ class Variant:
         self.completion_tokens: list[float] = []
 
     def step(self, samples: list[dict[str, Any]], clock: "PhaseClock") -> None:
+        from composer_tune.channels.policy import group_advantages
+
         recipe = self.recipe
         clock.begin()
         rollout = recipe._rollout(samples)
-        advantages = recipe._advantages(rollout) * recipe.cfg.advantage_sign
+        advantages = (
+            group_advantages(rollout, recipe.loss_cfg, recipe.cfg.group_size, recipe.dist)
+            * recipe.cfg.advantage_sign
+        )
         recipe._optimizer_step(rollout, advantages, on_policy=recipe._on_policy())
         recipe.step += 1
         self.steps.append(clock.end())

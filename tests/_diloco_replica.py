@@ -27,8 +27,8 @@ after a full (N) quorum, a smaller one, then K full ones; ``--stop-after-full N 
 ones. Both stop rules look only at committed syncs, which every replica in a quorum sees alike,
 so all replicas stop at the same outer step.
 
-Also a test device for tests/test_diloco_recipe.py: :class:`FormatRewardNaNAt`, a reward that
-scores NaN at chosen calls, so that a recipe run skips chosen steps.
+Also a test device for tests/test_diloco_recipe.py: :class:`FormatRewardOverflowAt`, a reward that
+overflows (+inf) at chosen calls, so that a recipe run skips chosen steps.
 """
 
 from __future__ import annotations
@@ -61,15 +61,17 @@ BATCH = 4
 INNER_LR = 3e-3
 
 
-class FormatRewardNaNAt(FormatReward):
-    """``FormatReward`` whose ``nan_calls``-th calls (1-based) score every completion NaN: with
-    one generation batch per optimiser step, those steps' advantages and policy loss are NaN
-    and the recipe's non-finite guard skips them. Passed as
-    ``reward._component_=tests._diloco_replica.FormatRewardNaNAt reward.nan_calls=[...]``."""
+class FormatRewardOverflowAt(FormatReward):
+    """``FormatReward`` whose ``overflow_calls``-th calls (1-based) score every other completion
+    +inf (an overflowing reward): every group's advantages and the policy loss are NaN, and the
+    recipe's non-finite guard skips that step. (A NaN score would not do: it means "could not
+    score", which gets zero advantage.) Passed as
+    ``reward._component_=tests._diloco_replica.FormatRewardOverflowAt reward.overflow_calls=[...]``.
+    """
 
-    def __init__(self, nan_calls: Sequence[int], **kwargs: Any) -> None:
+    def __init__(self, overflow_calls: Sequence[int], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.nan_calls = {int(call) for call in nan_calls}
+        self.overflow_calls = {int(call) for call in overflow_calls}
         self.calls = 0
 
     def __call__(
@@ -77,9 +79,12 @@ class FormatRewardNaNAt(FormatReward):
     ) -> list[RewardResult]:
         self.calls += 1
         results = super().__call__(completions, samples)
-        if self.calls not in self.nan_calls:
+        if self.calls not in self.overflow_calls:
             return results
-        return [RewardResult(math.nan, r.correct, r.feedback) for r in results]
+        return [
+            RewardResult(math.inf if index % 2 == 0 else r.score, r.correct, r.feedback)
+            for index, r in enumerate(results)
+        ]
 
 
 def build_model(seed: int) -> nn.Module:

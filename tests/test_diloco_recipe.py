@@ -316,10 +316,10 @@ def test_one_replica_inner_steps_are_composer_full_steps_and_a_skipped_step_keep
     sft_warm_start: RecipeRun, tmp_path: Path
 ) -> None:
     # One replica and one composer_full run on the same config, seed and data, all three
-    # channels on; every rollout of step 2 (the sync step) is scored NaN, so both skip it.
+    # channels on; the rewards of step 2 (the sync step) overflow, so both skip it.
     nan_at_step_2 = (
-        "reward._component_=tests._diloco_replica.FormatRewardNaNAt",
-        "reward.nan_calls=[2]",
+        "reward._component_=tests._diloco_replica.FormatRewardOverflowAt",
+        "reward.overflow_calls=[2]",
         f"max_steps={SYNC_EVERY}",
     )
     launch(tmp_path / "diloco", sft_warm_start, *nan_at_step_2, "diloco.min_replicas=1", replicas=1)
