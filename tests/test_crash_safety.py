@@ -46,6 +46,7 @@ QUICK_SFT = (
     "logging.log_every_n_steps=1",
     "logging.progress_bar=false",
     "checkpoint.save_every_n_steps=2",
+    "checkpoint.keep_last=null",  # every checkpoint stays: the tests list them
 )
 
 
