@@ -57,7 +57,9 @@ from composer_tune.channels.replay_dpo import (
 from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     check_checkpoint_section,
+    checkpoints_a_fresh_run_replaces,
     load_training_state,
+    remove_checkpoints,
     remove_stale_staging,
     resolve_resume_path,
     save_run_checkpoint,
@@ -157,6 +159,11 @@ class ReplayDPORecipe:
         barrier()  # no rank looks for the latest checkpoint while rank 0 cleans up
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A fresh run never writes beside another run's checkpoints (replace_existing deletes
+        # them, after set-up has succeeded).
+        replaced = checkpoints_a_fresh_run_replaces(
+            cfg.checkpoint, cfg.output_dir, resuming=resume_path is not None
+        )
         # A resumed checkpoint must come from this run's settings (not a variant's).
         check_checkpoint_section(cfg.checkpoint)
         self.identity = run_identity(cfg)
@@ -214,6 +221,8 @@ class ReplayDPORecipe:
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
         self.metric_logger = self._setup_metric_logger(cfg)
+        if self.dist.is_main:
+            remove_checkpoints(replaced)
 
     def _setup_loss_config(self, cfg: DictConfig) -> PolicyLossConfig:
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}

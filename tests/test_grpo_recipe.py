@@ -236,14 +236,19 @@ import os, sys
 from pathlib import Path
 from composer_tune.config import parse
 
+from composer_tune.checkpointing.run_identity import run_identity, write_identity
+
 @parse
 def main(cfg):
-    # Stands in for the SFT recipe: writes what latest_checkpoint() calls complete.
-    step = Path(cfg.output_dir) / "checkpoints" / "step_0000007"
+    # Stands in for the SFT recipe: writes what latest_checkpoint() calls complete, at
+    # max_steps (or at FAKE_SFT_STOP_AT, as a stopped run would), with the run's identity.
+    steps = int(os.environ.get("FAKE_SFT_STOP_AT") or cfg.max_steps)
+    step = Path(cfg.output_dir) / "checkpoints" / f"step_{steps:07d}"
     (step / "model").mkdir(parents=True)
     (step / "model" / "config.json").write_text("{}")
     (step / "training_state.pt").write_text("")
-    print("FAKE SFT RAN", cfg.max_steps, "RANK" in os.environ, flush=True)
+    write_identity(step, run_identity(cfg))
+    print("FAKE SFT RAN", cfg.max_steps, "RANK" in os.environ, sys.argv[-1], flush=True)
 
 if __name__ == "__main__":
     main()
@@ -272,9 +277,29 @@ def test_warm_start_trains_once_then_reuses(
         overrides=["max_steps=3"],
     )
     dist_info = setup_distributed("cpu")
-    expected = tmp_path / "sft" / "checkpoints" / "step_0000007" / "model"
+    expected = tmp_path / "sft" / "checkpoints" / "step_0000003" / "model"
     assert resolve_warm_start(section, dist_info) == expected
-    assert "FAKE SFT RAN 3 False" in capfd.readouterr().out
+    assert "FAKE SFT RAN 3 False max_steps=3" in capfd.readouterr().out
     # A complete checkpoint now exists: reused, not retrained.
     assert resolve_warm_start(section, dist_info) == expected
     assert "FAKE SFT RAN" not in capfd.readouterr().out
+
+    # The folder holds a run with other settings than the section describes: refused by key.
+    other = WarmStartSection(**{**vars(section), "overrides": ["max_steps=3", "seed=5"]})
+    with pytest.raises(
+        ValueError, match=r"holds a run with other settings .* seed: \(unset\) -> 5"
+    ):
+        resolve_warm_start(other, dist_info)
+    assert "FAKE SFT RAN" not in capfd.readouterr().out
+
+    # A warm-start run that stopped early is resumed to its max_steps before it is used.
+    stopped = WarmStartSection(**{**vars(section), "output_dir": str(tmp_path / "stopped")})
+    monkeypatch.setenv("FAKE_SFT_STOP_AT", "2")
+    with pytest.raises(ValueError, match="ends at step 2, not at its max_steps=3"):
+        resolve_warm_start(stopped, dist_info)
+    monkeypatch.delenv("FAKE_SFT_STOP_AT")
+    finished = tmp_path / "stopped" / "checkpoints" / "step_0000003" / "model"
+    assert resolve_warm_start(stopped, dist_info) == finished
+    out = capfd.readouterr().out
+    assert "stopped at step 2 of 3; finishing it" in out
+    assert "FAKE SFT RAN 3 False checkpoint.resume_from_checkpoint=latest" in out

@@ -110,7 +110,7 @@ def _args(tmp_path: Path, *extra: str):
 
 
 def _sft_cfg():
-    return ladder.load_config("cpu_smoke", [], recipe_file=REPO_ROOT / ladder.SFT_RECIPE)
+    return ladder.load_recipe_config(REPO_ROOT / ladder.SFT_RECIPE, "cpu_smoke", [])
 
 
 def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
@@ -204,10 +204,10 @@ def test_report_steps_and_single_seed_cells() -> None:
 
 def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> None:
     # An SFT config whose held-out set and task differ from every arm's own cpu_smoke config.
-    sft_cfg = ladder.load_config(
+    sft_cfg = ladder.load_recipe_config(
+        REPO_ROOT / ladder.SFT_RECIPE,
         "cpu_smoke",
         ["eval_dataset.num_samples=32", "eval_dataset.seed=5", "dataset.max_digits=3"],
-        recipe_file=REPO_ROOT / ladder.SFT_RECIPE,
     )
     runs = ladder.plan_runs(_args(tmp_path), ["warm_start.output_dir=/nowhere"], sft_cfg)
     assert sorted({run.arm.key for run in runs}) == sorted(ladder.ARMS)
@@ -220,9 +220,7 @@ def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> 
                 REPO_ROOT / "recipes/configs" / Path(run.arm.recipe).stem / "cpu_smoke.yaml"
             ).read_text()
         )
-        dataset = ladder.load_config(
-            "cpu_smoke", run.overrides, recipe_file=REPO_ROOT / run.arm.recipe
-        ).dataset
+        dataset = run.resolved_config().dataset
         assert dataset.max_digits == 3  # the warm start's task...
         assert dataset.seed == own["dataset"]["seed"]  # ...with the arm's own training problems
 
@@ -269,7 +267,8 @@ if sys.argv[2] == "recipes/sft.py":  # the warm start: a complete checkpoint and
     if "sft" in os.environ.get("FAKE_TUNE_FAIL", "").split(","):
         print("boom: sft fails here")
         sys.exit(4)
-    checkpoint = Path(overrides["output_dir"]) / "checkpoints" / "step_0000010"
+    steps = int(os.environ.get("FAKE_TUNE_SFT_STEPS") or overrides.get("max_steps", "10"))
+    checkpoint = Path(overrides["output_dir"]) / "checkpoints" / f"step_{{steps:07d}}"
     (checkpoint / "model").mkdir(parents=True)
     (checkpoint / "model" / "config.json").write_text("{{}}")
     (checkpoint / "training_state.pt").write_text("")
@@ -373,10 +372,14 @@ def test_failure_is_recorded_and_rerun_retries_only_it(
 
 
 def test_warm_start_is_trained_once_and_its_failure_stops_the_ladder(
-    tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    fake_tune: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     out = tmp_path / "out"
     argv = ["--out", str(out), "--arms", "a1", "--steps", "2", "--eval-every", "2"]
+    argv += ["--sft-override", "max_steps=10"]
     monkeypatch.setenv("FAKE_TUNE_FAIL", "sft")
     assert ladder.main([*argv, "--seeds", "0"]) == 1
     assert fake_tune.read_text().split() == ["sft"]  # no arm ran without a warm start
@@ -391,9 +394,19 @@ def test_warm_start_is_trained_once_and_its_failure_stops_the_ladder(
     assert fake_tune.read_text().split() == ["sft", "0", "1"]
     results = json.loads((out / "results.json").read_text())
     assert results["warm_start"]["heldout_accuracy"] == 0.375
-    warm_start = f"warm_start.output_dir={(out / 'warm_start').resolve()}"
+    final = out.resolve() / "warm_start" / "checkpoints" / "step_0000010" / "model"
     for seed in (0, 1):
-        assert warm_start in results["runs"][f"a1/seed{seed}"]["command"]
+        assert (
+            f"checkpoint.initial_checkpoint={final}" in results["runs"][f"a1/seed{seed}"]["command"]
+        )
+
+    # A warm start that stops short of its max_steps is no warm start: the ladder says so.
+    monkeypatch.setenv("FAKE_TUNE_SFT_STEPS", "4")
+    short = ["--out", str(tmp_path / "short"), *argv[2:], "--seeds", "0"]
+    assert ladder.main(short) == 1
+    results = json.loads((tmp_path / "short" / "results.json").read_text())
+    assert results["runs"] == {}
+    assert "no checkpoint at its max_steps=10" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -15,6 +15,18 @@ from composer_tune.checkpointing.run_identity import (
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from tests.recipe_runs import run_recipe, run_tune
 
+# A one-step grpo cpu_smoke run from random weights.
+QUICK = (
+    "warm_start=null",
+    "num_prompts_per_generation=4",
+    "group_size=4",
+    "micro_batch_size=8",
+    "max_new_tokens=6",
+    "eval_dataset.num_samples=8",
+    "eval_max_new_tokens=4",
+    "max_steps=1",
+    "logging.progress_bar=false",
+)
 CONFIG = OmegaConf.create(
     {
         "output_dir": "/runs/a",
@@ -67,18 +79,7 @@ def test_a_checkpoint_without_identity_resumes_and_says_so(
 def test_latest_refuses_another_objectives_run_and_leaves_the_folder_as_it_was(
     tmp_path: Path,
 ) -> None:
-    quick = (
-        "warm_start=null",
-        "num_prompts_per_generation=4",
-        "group_size=4",
-        "micro_batch_size=8",
-        "max_new_tokens=6",
-        "eval_dataset.num_samples=8",
-        "eval_max_new_tokens=4",
-        "max_steps=1",
-        "logging.progress_bar=false",
-    )
-    run_recipe("grpo", "cpu_smoke", tmp_path, *quick, "loss.objective=dapo")
+    run_recipe("grpo", "cpu_smoke", tmp_path, *QUICK, "loss.objective=dapo")
     assert (latest_checkpoint(tmp_path) / IDENTITY_FILE).is_file()
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     result = run_tune(
@@ -86,7 +87,7 @@ def test_latest_refuses_another_objectives_run_and_leaves_the_folder_as_it_was(
         "--config",
         "cpu_smoke",
         f"output_dir={tmp_path}",
-        *quick,
+        *QUICK,
         "checkpoint.resume_from_checkpoint=latest",
     )
     assert result.returncode == 2
@@ -95,3 +96,34 @@ def test_latest_refuses_another_objectives_run_and_leaves_the_folder_as_it_was(
     assert "was written by a different run (loss.objective: 'dapo' -> 'grpo')" in lines[-1]
     after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     assert after == before
+
+
+@pytest.mark.slow
+def test_a_fresh_run_refuses_a_folder_with_checkpoints_unless_told_to_replace_them(
+    tmp_path: Path,
+) -> None:
+    command = ("recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={tmp_path}", *QUICK)
+    run_recipe("grpo", "cpu_smoke", tmp_path, *QUICK, "loss.objective=dapo")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    refused = run_tune(*command)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Traceback" not in refused.stderr
+    assert "already holds 1 checkpoint(s) of a run (newest step_0000001)" in lines[-1]
+    assert "checkpoint.replace_existing=true" in lines[-1]
+    # Replacing is deferred until set-up succeeds: a start that fails later deletes nothing.
+    failed = run_tune(
+        *command,
+        "checkpoint.replace_existing=true",
+        f"checkpoint.initial_checkpoint={tmp_path}/none",
+    )
+    assert failed.returncode == 2 and "/none" in failed.stderr.strip().splitlines()[-1]
+    after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert after == before
+
+    replaced = run_tune(*command, "checkpoint.replace_existing=true")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert "deleted the previous run's checkpoints (step_0000001)" in replaced.stdout
+    identity = json.loads((latest_checkpoint(tmp_path) / IDENTITY_FILE).read_text())
+    assert identity["loss.objective"] == "grpo"

@@ -58,7 +58,6 @@ says about 7 min on a heavily shared machine). So the default takes about 3 x 4.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shlex
@@ -83,8 +82,12 @@ sys.path.insert(0, str(REPO_ROOT))
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from composer_tune.analysis.metrics_log import Metrics, read_metrics, series  # noqa: E402
-from composer_tune.checkpointing.run_state import latest_checkpoint  # noqa: E402
-from composer_tune.config import load_config  # noqa: E402
+from composer_tune.checkpointing.run_state import (  # noqa: E402
+    MODEL_DIR,
+    checkpoint_dir,
+    latest_checkpoint,
+)
+from composer_tune.config import load_recipe_config  # noqa: E402
 
 TUNE = str(Path(sys.executable).parent / "tune")
 ACCURACY, REWARD, COMPLETION_LENGTH = "eval/accuracy", "reward/mean", "completion_length/mean"
@@ -100,47 +103,31 @@ class Arm:
     key: str  # as --arms and --override ARM:... name it
     title: str
     recipe: str  # path from the repository root
-    schema: str  # the recipe's config dataclass, which validates the run's overrides
     replicas: int = 1  # > 1: DiLoCo replicas under tools/launch_diloco.py
 
 
 ARMS = {
     arm.key: arm
     for arm in (
-        Arm("a1", "A1 GRPO", "recipes/grpo.py", "GRPOConfig"),
-        Arm("a2", "A2 SDPO", "recipes/sdpo.py", "SDPOConfig"),
-        Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py", "ReplayDPOConfig"),
-        Arm("a4", "A4 composer_full", "recipes/composer_full.py", "ComposerFullConfig"),
+        Arm("a1", "A1 GRPO", "recipes/grpo.py"),
+        Arm("a2", "A2 SDPO", "recipes/sdpo.py"),
+        Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py"),
+        Arm("a4", "A4 composer_full", "recipes/composer_full.py"),
         Arm(
             "diloco",
             "DiLoCo (A4 loop, 2 replicas)",
             "recipes/diloco.py",
-            "DiLoCoRecipeConfig",
             replicas=2,
         ),
     )
 }
-SFT_RECIPE, SFT_SCHEMA = "recipes/sft.py", "SFTConfig"
+SFT_RECIPE = "recipes/sft.py"
 NO_SFT = "none"  # --sft-config value: no SFT run, the arms start from their configs' checkpoint
 # The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
 TASK_KEYS = ("operations", "min_digits", "max_digits")
 
 
 # ------------------------------------------------------------------------------ command lines
-
-
-def load_recipe_config(
-    recipe: str, schema: str, config: str, overrides: Sequence[str]
-) -> DictConfig:
-    """A recipe's config as ``tune run`` resolves it, checked against the recipe's schema.
-
-    Raises:
-        ConfigError: naming the file and key of an override the recipe does not take.
-    """
-    module = importlib.import_module(f"recipes.{Path(recipe).stem}")
-    return load_config(
-        config, overrides, recipe_file=REPO_ROOT / recipe, schema=getattr(module, schema)
-    )
 
 
 def _override_value(value: Any) -> str:
@@ -189,13 +176,16 @@ def split_overrides(overrides: Sequence[str], arms: Sequence[str]) -> dict[str, 
 
 
 def warm_start_overrides(path: Path) -> list[str]:
-    """How an arm starts from ``path``: an SFT output folder, or a Hugging Face model folder.
+    """How an arm starts from ``path``: an SFT output folder (its newest checkpoint's model), or
+    a Hugging Face model folder. The arms never run their own warm start: the ladder names
+    the weights (and trains its own SFT run whole, :func:`train_warm_start`).
 
     Raises:
         FileNotFoundError: naming ``path`` when it is neither.
     """
-    if latest_checkpoint(path) is not None:
-        return [f"warm_start.output_dir={path}"]
+    checkpoint = latest_checkpoint(path)
+    if checkpoint is not None:
+        path = checkpoint / MODEL_DIR
     if (path / "config.json").is_file():
         return ["warm_start=null", f"checkpoint.initial_checkpoint={path}"]
     raise FileNotFoundError(
@@ -226,8 +216,8 @@ class PlannedRun:
         return [sys.executable, launcher, "--replicas", str(self.arm.replicas), "--", *recipe]
 
     def resolved_config(self) -> DictConfig:
-        """The config the run's recipe will see (see :func:`load_recipe_config`)."""
-        return load_recipe_config(self.arm.recipe, self.arm.schema, self.config, self.overrides)
+        """The config the run's recipe will see, checked against the recipe's schema."""
+        return load_recipe_config(REPO_ROOT / self.arm.recipe, self.config, self.overrides)
 
     def rows_per_step(self) -> float:
         """Rollout rows one optimizer step of one process trains on (resolved config)."""
@@ -826,14 +816,21 @@ def subprocess_env(omp_threads: int) -> dict[str, str]:
 
 
 def train_warm_start(
-    args: argparse.Namespace, path: Path, results: dict[str, Any], env: dict[str, str]
+    args: argparse.Namespace,
+    path: Path,
+    max_steps: int,
+    results: dict[str, Any],
+    env: dict[str, str],
 ) -> None:
-    """Trains the A0 SFT warm start into ``path`` unless a complete checkpoint is there already.
+    """Trains the A0 SFT warm start into ``path`` unless its final (``max_steps``) checkpoint
+    is there already; a folder left by an interrupted attempt is trained again from scratch.
 
     Raises:
-        RuntimeError: when the SFT run fails (no arm can start without it).
+        RuntimeError: when the SFT run fails or does not end at ``max_steps`` (no arm can start
+            without it).
     """
-    if latest_checkpoint(path) is not None:
+    final = checkpoint_dir(path, max_steps)
+    if latest_checkpoint(path) == final:
         print(f"warm start: {path}", flush=True)
         return
     command = [TUNE, "run", SFT_RECIPE, "--config", args.sft_config, f"output_dir={path}"]
@@ -848,6 +845,11 @@ def train_warm_start(
     if status != 0:
         record["log_tail"] = _tail(path / "run.log")
         raise RuntimeError(f"the A0 SFT warm start failed (exit {status}); see {path / 'run.log'}")
+    if latest_checkpoint(path) != final:
+        raise RuntimeError(
+            f"the A0 SFT warm start left no checkpoint at its max_steps={max_steps} ({final}); "
+            f"see {path / 'run.log'}"
+        )
     accuracy = series(read_metrics(path / "logs"), ACCURACY)
     record["heldout_accuracy"] = accuracy[-1][1] if accuracy else None
     print(f"warm start: trained in {wall:.0f} s", flush=True)
@@ -885,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         results = load_results(results_path)
         sft_cfg = None
         if args.sft_config != NO_SFT:
-            sft_cfg = load_recipe_config(SFT_RECIPE, SFT_SCHEMA, args.sft_config, args.sft_override)
+            sft_cfg = load_recipe_config(REPO_ROOT / SFT_RECIPE, args.sft_config, args.sft_override)
         if args.warm_start is not None:
             warm_start = args.warm_start.resolve()
             warm_start_args = warm_start_overrides(warm_start)
@@ -893,7 +895,8 @@ def main(argv: list[str] | None = None) -> int:
             warm_start, warm_start_args = None, []
         else:
             warm_start = (args.out / "warm_start").resolve()
-            warm_start_args = [f"warm_start.output_dir={warm_start}"]
+            final = checkpoint_dir(warm_start, sft_cfg.max_steps) / MODEL_DIR  # once trained
+            warm_start_args = ["warm_start=null", f"checkpoint.initial_checkpoint={final}"]
         runs = plan_runs(args, warm_start_args, sft_cfg)
         if warm_start is None:
             warm_start = runs[0].resolved_config().checkpoint.initial_checkpoint
@@ -914,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("warm_start", {"path": str(warm_start)})
     if pending and args.warm_start is None and sft_cfg is not None:
         try:
-            train_warm_start(args, warm_start, results, env)
+            train_warm_start(args, warm_start, sft_cfg.max_steps, results, env)
         except RuntimeError as err:
             write_json_atomic(results_path, results)
             print(f"error: {err}", file=sys.stderr)

@@ -62,6 +62,35 @@ def write_identity(checkpoint_dir: Path, identity: Mapping[str, Any]) -> None:
     )
 
 
+def identity_changes(checkpoint: Path, identity: Mapping[str, Any]) -> list[str] | None:
+    """How ``identity`` differs from the one ``checkpoint`` was written with, one
+    ``"key: old -> new"`` per differing key (empty: the same run); None when the checkpoint
+    records no identity (written before identities were recorded).
+
+    Raises:
+        ValueError: the recorded identity is unreadable.
+    """
+    path = checkpoint / IDENTITY_FILE
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: unreadable run identity ({error})") from error
+    current = json.loads(json.dumps(dict(identity), default=str))  # as it would be stored
+    return [
+        f"{key}: {_show(stored, key)} -> {_show(current, key)}"
+        for key in sorted(stored.keys() | current.keys())
+        if stored.get(key, _MISSING) != current.get(key, _MISSING)
+    ]
+
+
+def describe_changes(changes: list[str], shown: int = 6) -> str:
+    """The first ``shown`` changes, joined, and how many more there are."""
+    more = f" and {len(changes) - shown} more" if len(changes) > shown else ""
+    return ", ".join(changes[:shown]) + more
+
+
 def check_resume_identity(
     checkpoint: Path, identity: Mapping[str, Any], *, allow_changes: bool
 ) -> None:
@@ -69,35 +98,24 @@ def check_resume_identity(
     was written with (ValueError naming the keys), unless ``allow_changes``. A checkpoint
     written before identities were recorded is accepted, with one line saying it could not be
     checked."""
-    path = checkpoint / IDENTITY_FILE
+    changes = identity_changes(checkpoint, identity)
     main = os.environ.get("RANK", "0") == "0"
-    if not path.is_file():
+    if changes is None:
         if main:
             print(f"{checkpoint} records no run identity: resuming without checking it", flush=True)
         return
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: unreadable run identity ({error})") from error
-    current = json.loads(json.dumps(dict(identity), default=str))  # as it would be stored
-    changed = sorted(
-        key
-        for key in stored.keys() | current.keys()
-        if stored.get(key, _MISSING) != current.get(key, _MISSING)
-    )
-    if not changed:
+    if not changes:
         return
-    shown = ", ".join(
-        f"{key}: {_show(stored, key)} -> {_show(current, key)}" for key in changed[:6]
-    )
-    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
     if allow_changes:
         if main:
-            print(f"resuming {checkpoint} with a changed config ({shown}{more})", flush=True)
+            print(
+                f"resuming {checkpoint} with a changed config ({describe_changes(changes)})",
+                flush=True,
+            )
         return
     raise ValueError(
-        f"{checkpoint} was written by a different run ({shown}{more}): resume it with the "
-        "settings it was written with, use another output_dir, or set "
+        f"{checkpoint} was written by a different run ({describe_changes(changes)}): resume it "
+        "with the settings it was written with, use another output_dir, or set "
         "checkpoint.resume_with_changed_config=true if the change is meant"
     )
 

@@ -70,6 +70,19 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
     return (path / TRAINING_STATE).is_file() and (path / MODEL_DIR / "config.json").is_file()
 
 
+def checkpoint_dir(output_dir: str | os.PathLike[str], step: int) -> Path:
+    """The folder a run checkpoint of ``step`` is saved in."""
+    return checkpoints_root(output_dir) / f"step_{step:07d}"
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The optimizer step a ``step_*`` checkpoint folder was saved at."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_* checkpoint folder")
+    return int(match.group(1))
+
+
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``output_dir``, or None."""
     root = checkpoints_root(output_dir)
@@ -105,6 +118,47 @@ def resolve_resume_path(spec: str | None, output_dir: str | os.PathLike[str]) ->
             f"(needs {TRAINING_STATE} and {MODEL_DIR}/config.json)"
         )
     return path
+
+
+def checkpoints_a_fresh_run_replaces(
+    section: Any, output_dir: str | os.PathLike[str], *, resuming: bool
+) -> list[Path]:
+    """The checkpoints a run that does not resume would replace in ``output_dir``.
+
+    A fresh run never silently writes beside another run's checkpoints (``latest`` would then
+    mix the two): unless ``section.replace_existing`` says so, finding any is an error telling
+    how to resume instead. The caller deletes the returned folders (:func:`remove_checkpoints`)
+    only once its set-up has succeeded, so a failed start leaves them as they were.
+
+    Raises:
+        ValueError: ``output_dir`` holds checkpoints and ``replace_existing`` is not set.
+    """
+    root = checkpoints_root(output_dir)
+    if resuming or not root.is_dir():
+        return []
+    existing = sorted(path for path in root.iterdir() if _STEP_DIR.match(path.name))
+    if not existing or section.replace_existing:
+        return existing
+    raise ValueError(
+        f"{output_dir} already holds {len(existing)} checkpoint(s) of a run (newest "
+        f"{existing[-1].name}): "
+        "resume it with checkpoint.resume_from_checkpoint=latest, use another output_dir, or "
+        "set checkpoint.replace_existing=true to delete them and start over"
+    )
+
+
+def remove_checkpoints(paths: list[Path]) -> None:
+    """Deletes checkpoint folders (from :func:`checkpoints_a_fresh_run_replaces`); prints one
+    line."""
+    if not paths:
+        return
+    for path in paths:
+        _delete_checkpoint(path)
+    print(
+        f"checkpoint.replace_existing: deleted the previous run's checkpoints "
+        f"({', '.join(path.name for path in paths)}) in {paths[0].parent}",
+        flush=True,
+    )
 
 
 def _fsync(path: Path) -> None:
@@ -197,9 +251,9 @@ def save_run_checkpoint(
     (>= 1) then deletes all but the newest that many checkpoints."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    root = checkpoints_root(output_dir)
-    name = f"step_{step:07d}"
-    final, staging, replaced = root / name, root / (_STAGING + name), root / (_REPLACED + name)
+    final = checkpoint_dir(output_dir, step)
+    root, name = final.parent, final.name
+    staging, replaced = root / (_STAGING + name), root / (_REPLACED + name)
     if dist_info.is_main:
         if not root.is_dir():
             root.mkdir(parents=True)
@@ -290,10 +344,14 @@ def _prune(root: Path, keep_last: int) -> None:
         (int(m.group(1)), path) for path in root.iterdir() if (m := _STEP_DIR.match(path.name))
     )
     for _, path in steps[:-keep_last]:
-        # Renamed first: a kill during the deletion must not leave a gutted step_* folder.
-        doomed = path.with_name(_DELETING + path.name)
-        os.replace(path, doomed)
-        shutil.rmtree(doomed)
+        _delete_checkpoint(path)
+
+
+def _delete_checkpoint(path: Path) -> None:
+    # Renamed first: a kill during the deletion must not leave a gutted step_* folder.
+    doomed = path.with_name(_DELETING + path.name)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def remove_stale_staging(output_dir: str | os.PathLike[str]) -> list[Path]:

@@ -9,8 +9,12 @@ Every RL arm starts from a supervised checkpoint. A recipe config names the run 
       overrides: []
 
 :func:`resolve_warm_start` returns the ``model/`` folder of the newest complete checkpoint in
-``output_dir``; if there is none yet it first runs
-``tune run <recipe> --config <config> output_dir=<output_dir> <overrides...>`` in a subprocess.
+``output_dir`` once that folder holds the *finished* run the section describes; if there is no
+checkpoint yet it first runs ``tune run <recipe> --config <config> output_dir=<output_dir>
+<overrides...>`` in a subprocess. The folder's checkpoint must record the same run identity as
+that command's config (so a warm start trained with other settings, another config or by another
+recipe is never taken silently: that is an error naming the differing keys), and must be at the
+run's ``max_steps`` (a run stopped earlier is resumed to the end first).
 Under torchrun only rank 0 trains (single process); the other ranks wait at a barrier. Rank 0
 holds an exclusive file lock (``<output_dir>.lock``) while it checks and trains, so several runs
 started together (DiLoCo replicas on one machine, a ladder) train the warm start once: the
@@ -29,7 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint
+from composer_tune.checkpointing.run_identity import (
+    describe_changes,
+    identity_changes,
+    run_identity,
+)
+from composer_tune.checkpointing.run_state import MODEL_DIR, checkpoint_step, latest_checkpoint
+from composer_tune.config import load_recipe_config
 from composer_tune.distributed import DistInfo, barrier
 
 # Set by torchrun; a child that inherited them would try to join this run's process group.
@@ -94,12 +104,13 @@ def resolve_warm_start(section: WarmStartSection, dist_info: DistInfo) -> Path:
         ``<output_dir>/checkpoints/step_*/model`` of the newest complete checkpoint.
 
     Raises:
+        ValueError: if ``output_dir`` holds a run other than the one the section describes (the
+            differing keys named), or one that does not reach its ``max_steps``.
         RuntimeError: if the warm-start run fails or leaves no complete checkpoint.
     """
     if dist_info.is_main:
         with _file_lock(Path(f"{section.output_dir}.lock")):
-            if latest_checkpoint(section.output_dir) is None:
-                _train(section)
+            _finish_warm_start_run(section)
     barrier()
     checkpoint = latest_checkpoint(section.output_dir)
     if checkpoint is None:
@@ -110,6 +121,42 @@ def resolve_warm_start(section: WarmStartSection, dist_info: DistInfo) -> Path:
     if dist_info.is_main:
         print(f"warm start: initial weights from {checkpoint / MODEL_DIR}", flush=True)
     return checkpoint / MODEL_DIR
+
+
+def _finish_warm_start_run(section: WarmStartSection) -> None:
+    """Leaves ``section.output_dir`` holding the finished run the section describes: trains it
+    if absent, resumes it if stopped early; refuses a folder holding another run."""
+    expected = load_recipe_config(
+        section.recipe, section.config, [f"output_dir={section.output_dir}", *section.overrides]
+    )
+    checkpoint = latest_checkpoint(section.output_dir)
+    if checkpoint is None:
+        _train(section, resume=False)
+    else:
+        changes = identity_changes(checkpoint, run_identity(expected))
+        if changes:
+            raise ValueError(
+                f"warm start: {section.output_dir} holds a run with other settings than "
+                f"warm_start describes ({section.recipe} --config {section.config}"
+                f"{''.join(' ' + o for o in section.overrides)}): {describe_changes(changes)}; "
+                "set warm_start.config/overrides to that run's, or warm_start.output_dir to a "
+                "new folder to train the described one"
+            )
+        if changes is None:
+            print(f"warm start: {checkpoint} records no run identity; not checked", flush=True)
+        if checkpoint_step(checkpoint) < expected.max_steps:
+            print(
+                f"warm start: the run in {section.output_dir} stopped at step "
+                f"{checkpoint_step(checkpoint)} of {expected.max_steps}; finishing it",
+                flush=True,
+            )
+            _train(section, resume=True)
+    checkpoint = latest_checkpoint(section.output_dir)
+    if checkpoint is not None and checkpoint_step(checkpoint) < expected.max_steps:
+        raise ValueError(
+            f"warm start: {section.output_dir} ends at step {checkpoint_step(checkpoint)}, not "
+            f"at its max_steps={expected.max_steps}"
+        )
 
 
 def initial_checkpoint(
@@ -131,13 +178,16 @@ def initial_checkpoint(
     return str(resolve_warm_start(WarmStartSection(**warm_start), dist_info))
 
 
-def _train(section: WarmStartSection) -> None:
+def _train(section: WarmStartSection, *, resume: bool) -> None:
     command = warm_start_command(section)
-    print(
-        f"warm start: no complete checkpoint in {section.output_dir}; training it with: "
-        f"{' '.join(command)}",
-        flush=True,
-    )
+    if resume:
+        command.append("checkpoint.resume_from_checkpoint=latest")
+    else:
+        print(
+            f"warm start: no complete checkpoint in {section.output_dir}; training it with: "
+            f"{' '.join(command)}",
+            flush=True,
+        )
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
     completed = subprocess.run(command, env=env, check=False)
     if completed.returncode != 0:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import importlib.util
 import inspect
 import os
 import sys
@@ -139,6 +140,28 @@ def load_config(
     return cfg
 
 
+def load_recipe_config(
+    recipe_file: str | Path, config: str | Path, overrides: Sequence[str] = ()
+) -> DictConfig:
+    """The config ``tune run <recipe_file> --config <config> <overrides...>`` would run with,
+    checked against the recipe's schema (its ``@parse(schema=...)``), without running it.
+
+    Raises:
+        ConfigError: naming the recipe file when it has no (or several) ``config.parse``d
+            functions, or the file and key of a bad config or override.
+    """
+    path = Path(recipe_file).resolve()
+    if not path.is_file():
+        raise ConfigError(f"recipe file {recipe_file} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_composer_tune_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    mains = [value for value in vars(module).values() if hasattr(value, "config_schema")]
+    if len(mains) != 1:
+        raise ConfigError(f"{recipe_file}: expected one function decorated with config.parse")
+    return load_config(config, overrides, recipe_file=path, schema=mains[0].config_schema)
+
+
 def _apply_schema(cfg: DictConfig, schema: type, path: Path) -> DictConfig:
     if not is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass, got {schema!r}")
@@ -238,6 +261,7 @@ def parse(
                 sys.exit(2)
             return main(cfg)
 
+        wrapper.config_schema = schema  # type: ignore[attr-defined]  # see load_recipe_config
         return wrapper
 
     if recipe_main is not None:

@@ -24,6 +24,9 @@ class CheckpointSection:
     # Resume although the checkpoint was written with other settings (keys outside
     # max_steps, logging, checkpoint and evaluation cadence); otherwise that is an error.
     resume_with_changed_config: bool = False
+    # A run that does not resume refuses an output_dir holding checkpoints; true deletes them
+    # (once set-up has succeeded) and starts over.
+    replace_existing: bool = False
     # Largest safetensors shard written, in bytes.
     max_shard_size: int = 4_000_000_000
     # Keep only the newest N checkpoints (N >= 1); null keeps every one.

@@ -24,6 +24,8 @@ import torch
 
 REPLICA_ID_ENV = "REPLICA_ID"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Set by the launcher: how many times this replica was restarted after a failure.
+RESTART_ENV = "REPLICA_RESTART"
 
 
 class DiLoCoConfigError(ValueError):
@@ -187,3 +189,9 @@ class DiLoCoConfig:
                 "missing (start one with tools/launch_diloco.py or `torchft_lighthouse`)"
             )
         return addr
+
+
+def restarted_by_launcher() -> bool:
+    """Whether this replica process is a launcher restart of a failed one (it continues the
+    run: it heals from a live peer rather than starting over)."""
+    return int(os.environ.get(RESTART_ENV, "0")) > 0
