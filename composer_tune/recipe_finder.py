@@ -13,7 +13,9 @@ built-in recipes included (it runs those by file path), resolves as before. No f
 package is modified. This module must stay cheap to import: it runs at every interpreter start.
 
 The finder also sees the first import of ``torchao`` (torchtune imports it) and filters the one
-known-harmless warning torchao prints then (see ``_quiet_torchao_version_warning``).
+known-harmless warning torchao prints then (see ``_quiet_torchao_version_warning``). ``install()``
+also makes torchrun's own signal stop (its uncaught ``SignalException``, and only that) one line
+instead of a traceback (see ``_one_line_torchrun_signal_stop``).
 """
 
 from __future__ import annotations
@@ -63,7 +65,34 @@ def _quiet_torchao_version_warning() -> None:
     )
 
 
+def _is_torchrun_signal_stop(exc_type: type[BaseException]) -> bool:
+    return exc_type.__name__ == "SignalException" and exc_type.__module__.startswith(
+        "torch.distributed.elastic"
+    )
+
+
+def _one_line_torchrun_signal_stop(previous: object) -> object:
+    """An excepthook that prints torchrun's own signal stop as one line, not a traceback.
+
+    On Ctrl-C the torchrun agent (the ``tune run --nproc_per_node ...`` process) passes the
+    signal to its workers, which save a checkpoint and say where (composer_tune/stop.py), then
+    re-raises ``SignalException`` to its top level. Every other exception goes to ``previous``.
+    """
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+        if _is_torchrun_signal_stop(exc_type):
+            print(f"torchrun: {exc}; its workers were told to stop", file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)  # type: ignore[operator]
+
+    hook.composer_tune = True  # type: ignore[attr-defined]
+    return hook
+
+
 def install() -> None:
-    """Adds the finder once (``.pth`` files can be processed twice, e.g. via a lib64 link)."""
+    """Adds the finder and the excepthook once (``.pth`` files can be processed twice, e.g. via
+    a lib64 link)."""
     if not any(isinstance(finder, LocalRecipesFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, LocalRecipesFinder())
+    if not getattr(sys.excepthook, "composer_tune", False):
+        sys.excepthook = _one_line_torchrun_signal_stop(sys.excepthook)

@@ -92,13 +92,16 @@ from composer_tune.channels.sdpo.teacher import (
 from composer_tune.checkpointing.run_identity import check_resume_identity, run_identity
 from composer_tune.checkpointing.run_state import (
     check_checkpoint_section,
+    checkpoints_a_fresh_run_replaces,
     load_training_state,
+    remove_checkpoints,
     remove_stale_staging,
     resolve_resume_path,
     save_run_checkpoint,
 )
 from composer_tune.checkpointing.warm_start import WarmStartSection, initial_checkpoint
 from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer, OuterStepMetrics
+from composer_tune.diloco.config import restarted_by_launcher
 from composer_tune.distributed import (
     all_reduce_sum,
     barrier,
@@ -113,6 +116,7 @@ from composer_tune.losses.distill import EMATeacher
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
+from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
 
@@ -212,6 +216,13 @@ class DiLoCoRecipe:
         barrier()
         self.tokenizer = config.instantiate(cfg.tokenizer)
         resume_path = resolve_resume_path(cfg.checkpoint.resume_from_checkpoint, cfg.output_dir)
+        # A fresh run never writes beside another run's checkpoints (replace_existing deletes
+        # them, after set-up has succeeded).
+        replaced = checkpoints_a_fresh_run_replaces(
+            cfg.checkpoint,
+            cfg.output_dir,
+            resuming=resume_path is not None or restarted_by_launcher(),
+        )
         # A resumed checkpoint must come from this run's settings (not a variant's).
         check_checkpoint_section(cfg.checkpoint)
         self.identity = run_identity(cfg)
@@ -287,6 +298,8 @@ class DiLoCoRecipe:
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
         self.metric_logger = self._setup_metric_logger(cfg)
+        if self.dist.is_main:
+            remove_checkpoints(replaced)
 
     def _check_batch_layout(self, cfg: DictConfig) -> None:
         """Reject step counts and batch sizes that do not divide evenly, naming the keys."""
@@ -453,7 +466,14 @@ class DiLoCoRecipe:
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
+        a committed sync every replica agreed on, with a checkpoint saved there)."""
+        # Caught from the step-0 evaluation on: the launcher may signal during it.
+        with StopRequest(self.dist) as stop:
+            return self._train(stop)
+
+    def _train(self, stop: StopRequest) -> bool:
         cfg = self.cfg
         if not self.resumed:
             before, self.pairs_before = self.evaluate()
@@ -469,6 +489,7 @@ class DiLoCoRecipe:
         window_start, window_tokens = time.perf_counter(), 0.0
         saved_outer_step = self.diloco.outer_step if self.resumed else None
         with self.diloco:
+            self.diloco.vote_to_stop(lambda: stop.signal_name is not None)
             while self.diloco.outer_step < self.max_outer_steps:
                 # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
                 # reference) log-probs. Channel 3 alone trains on pairs only.
@@ -547,14 +568,20 @@ class DiLoCoRecipe:
                 if every_eval and outer_step % every_eval == 0:
                     self.evaluate()
                 every = cfg.checkpoint.save_every_n_steps
+                saved = None
                 if every and (outer_step * self.diloco_cfg.fragment_sync_every) % every == 0:
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
                     saved_outer_step = outer_step
+                if outer_step < self.max_outer_steps and self.diloco.stop_agreed():
+                    progress.close()
+                    print_stopped(self.step, saved or self.save_checkpoint(), self.dist)
+                    return False
             progress.close()
             after = self.evaluate()
             if saved_outer_step != self.diloco.outer_step:  # the last sync was not saved yet
                 self.save_checkpoint()
         self._print_before_after(after)
+        return True
 
     def _print_before_after(self, after: tuple[Any, dict]) -> None:
         """The run's summary lines: held-out accuracy and held-out pair metrics, both of the
@@ -709,9 +736,10 @@ class DiLoCoRecipe:
             )
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path | None:
         """Atomic run checkpoint (composer_tune/checkpointing/run_state.py) with every rank's
-        DiLoCo state in the recipe state; taken right after a sync. Collective."""
+        DiLoCo state in the recipe state; taken right after a sync. Collective; returns its
+        folder."""
         self.guard.check_parameters(self.model, self.step)  # never save poisoned weights
         path = save_run_checkpoint(
             output_dir=self.cfg.output_dir,
@@ -741,6 +769,7 @@ class DiLoCoRecipe:
         )
         if self.dist.is_main:
             print(f"saved checkpoint {path} at outer step {self.diloco.outer_step}", flush=True)
+        return path
 
     def _all_outer_states(self) -> list[dict[str, Any]] | None:
         """Every rank's DiLoCo state on rank 0, by rank: under FSDP2 each rank holds the global
@@ -774,8 +803,10 @@ def recipe_main(cfg: DictConfig) -> None:
     with config.setup_errors_as_one_line():
         recipe = DiLoCoRecipe(cfg)
         recipe.setup()
-    recipe.train()
+    finished = recipe.train()
     recipe.cleanup()
+    if not finished:  # stopped by a signal, after saving a checkpoint
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 if __name__ == "__main__":

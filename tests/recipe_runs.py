@@ -37,6 +37,9 @@ def run_tune(
     """`tune run ...` from the repo root, as a user types it."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"
+    # A process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack, so
+    # a rare multi-process crash under load names where each thread was.
+    env["PYTHONFAULTHANDLER"] = "1"
     return subprocess.run(
         [TUNE, "run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

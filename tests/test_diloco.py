@@ -701,8 +701,19 @@ signal.pause()
 """
 
 
-@pytest.mark.slow
-def test_launcher_ctrl_c_stops_every_replica() -> None:
+_IGNORE_SIGTERM = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *_: print("ignoring SIGTERM", flush=True))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _interrupt_launcher(replica_script: str, signals: int) -> tuple[int, str]:
+    """Starts the launcher with 2 replicas running ``replica_script``; once both print "ready",
+    sends SIGINT ``signals`` times (the second once a replica reports the first); returns the
+    launcher's exit code and output."""
     launcher = subprocess.Popen(
         [
             sys.executable,
@@ -710,7 +721,7 @@ def test_launcher_ctrl_c_stops_every_replica() -> None:
             "--replicas",
             "2",
             "--",
-            *_script(_WAIT_FOR_SIGTERM),
+            *_script(replica_script),
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -720,19 +731,39 @@ def test_launcher_ctrl_c_stops_every_replica() -> None:
     lines: list[str] = []
     try:
         assert launcher.stdout is not None
+        sent = 0
         for line in launcher.stdout:  # blocks until each line arrives
             lines.append(line)
-            if sum("] ready" in seen for seen in lines) == 2:
+            ready = sum("] ready" in seen for seen in lines) == 2
+            if ready and sent == 0 or sent == 1 and "SIGTERM" in line and sent < signals:
+                launcher.send_signal(signal.SIGINT)
+                sent += 1
+            if sent == signals:
                 break
-        launcher.send_signal(signal.SIGINT)
         rest, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    text = "".join(lines) + rest
-    assert launcher.returncode == 130, text
+    return launcher.returncode, "".join(lines) + rest
+
+
+@pytest.mark.slow
+def test_launcher_ctrl_c_asks_every_replica_to_stop_and_waits_for_them() -> None:
+    returncode, text = _interrupt_launcher(_WAIT_FOR_SIGTERM, signals=1)
+    assert returncode == 130, text
     assert "[replica 0] got SIGTERM" in text and "[replica 1] got SIGTERM" in text
-    assert "[launcher] got SIGINT; stopping the replicas" in text
+    assert "[launcher] got SIGINT; the replicas stop after their next sync" in text
+    assert "[launcher] replica 0 exited with status 0" in text
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_launcher_second_ctrl_c_kills_replicas_that_do_not_stop() -> None:
+    returncode, text = _interrupt_launcher(_IGNORE_SIGTERM, signals=2)
+    assert returncode == 130, text
+    assert "[replica 0] ignoring SIGTERM" in text
+    assert "[launcher] got SIGINT again; killing the replicas" in text
+    assert "Traceback" not in text
 
 
 def test_cpu_replicas_drop_only_torchft_flight_recorder_warning(

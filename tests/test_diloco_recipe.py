@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,12 @@ LAUNCH_COMMAND = (
 LAUNCH_TIMEOUT_S = 600
 
 
+def warm_start_from(sft: RecipeRun) -> tuple[str, str]:
+    """Overrides that start from the session's SFT cpu_smoke run (the configs name the
+    cpu_smoke_hints run; the warm start checks that its folder holds the run it names)."""
+    return f"warm_start.output_dir={sft.output_dir}", "warm_start.config=cpu_smoke"
+
+
 def launch(output_dir: Path, sft: RecipeRun, *overrides: str, replicas: int = 2) -> str:
     """The one-machine command (``LAUNCH_COMMAND``): lighthouse + ``replicas`` replicas of
     recipes/diloco.py --config cpu_smoke. Returns the launcher's combined output; fails the test
@@ -89,7 +96,7 @@ def launch(output_dir: Path, sft: RecipeRun, *overrides: str, replicas: int = 2)
     command = [executables.get(word, word) for word in LAUNCH_COMMAND]
     command[command.index("--replicas") + 1] = str(replicas)
     command += [
-        f"output_dir={output_dir}", f"warm_start.output_dir={sft.output_dir}", *QUICK, *overrides,
+        f"output_dir={output_dir}", *warm_start_from(sft), *QUICK, *overrides,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # Two replicas share 2 cores; one thread each also keeps the runs bit-reproducible.
@@ -327,7 +334,7 @@ def test_one_replica_inner_steps_are_composer_full_steps_and_a_skipped_step_keep
         "composer_full",
         "cpu_smoke",
         tmp_path / "full",
-        f"warm_start.output_dir={sft_warm_start.output_dir}",
+        *warm_start_from(sft_warm_start),
         *INNER,
         *nan_at_step_2,
     )
@@ -514,3 +521,66 @@ def test_pairs_per_step_too_large_for_the_replicas_is_rejected() -> None:
             num_replicas=2,
             replica_id=0,
         )
+
+
+def test_ctrl_c_stops_every_replica_after_one_sync_and_latest_finishes_the_run(
+    two_replicas: Path, sft_warm_start: RecipeRun, tmp_path: Path
+) -> None:
+    """Ctrl-C to the launcher once the step-0 evaluation is printed: both replicas stop after
+    the same committed sync (their stop votes travel in its quorum), save a checkpoint there
+    and exit 130 with no traceback; `latest` then ends on the uninterrupted run's weights."""
+    executables = {"python": sys.executable, "tune": TUNE}
+    command = [executables.get(word, word) for word in LAUNCH_COMMAND]
+    command += [
+        f"output_dir={tmp_path}", *warm_start_from(sft_warm_start), *QUICK,
+        f"max_steps={3 * SYNC_EVERY}", "checkpoint.save_every_n_steps=0",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    launcher = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            lines.append(line)
+            if "[step 0, outer step 0]" in line:
+                launcher.send_signal(signal.SIGINT)
+                break
+        rest, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = "".join(lines) + rest
+    assert launcher.returncode == 130, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    stops = re.findall(r"\[replica (\d)\] stopped at step (\d+); checkpoint (\S+);", output)
+    assert sorted(replica for replica, _, _ in stops) == ["0", "1"], output[-6000:]
+    (step,) = {int(step) for _, step, _ in stops}  # the same sync on both replicas
+    assert step % SYNC_EVERY == 0 and 0 < step < 3 * SYNC_EVERY
+    for replica in (0, 1):
+        assert latest_checkpoint(tmp_path / f"replica_{replica}") == checkpoint(
+            tmp_path, replica, step
+        )
+
+    output = launch(
+        tmp_path, sft_warm_start, f"max_steps={3 * SYNC_EVERY}",
+        "checkpoint.save_every_n_steps=0", "checkpoint.resume_from_checkpoint=latest",
+    )  # fmt: skip
+    assert output.count(f"at step {step}, outer step {step // SYNC_EVERY}") == 2, output[-4000:]
+    for replica in (0, 1):
+        resumed = global_weights(checkpoint(tmp_path, replica, 3 * SYNC_EVERY))
+        uninterrupted = global_weights(checkpoint(two_replicas, replica, 3 * SYNC_EVERY))
+        for name, tensor in uninterrupted.items():
+            assert torch.equal(resumed[name], tensor), (replica, name)
+        resumed_log, uninterrupted_log = logged(tmp_path, replica), logged(two_replicas, replica)
+        for later in range(step + 1, 3 * SYNC_EVERY + 1):
+            metrics = {
+                k: v
+                for k, v in resumed_log[later].items()
+                if k not in TIMING_METRICS and not k.startswith("diloco/total")
+            }
+            assert "loss" in metrics and metrics == {
+                k: uninterrupted_log[later][k] for k in metrics
+            }, later

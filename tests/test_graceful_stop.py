@@ -123,31 +123,43 @@ def test_sigint_saves_a_checkpoint_and_latest_finishes_the_run_exactly(tmp_path:
 @pytest.mark.slow
 def test_sigint_under_torchrun_stops_every_rank_at_one_step(tmp_path: Path) -> None:
     """Ctrl-C reaches torchrun's agent and both workers; the ranks agree on the step (a
-    collective), save one checkpoint and `latest` finishes the run. torchrun itself still
-    prints its SignalException traceback: that is the launcher's, not the recipe's."""
+    collective), save one checkpoint, and `latest` finishes the run with the metrics and weights
+    of an uninterrupted 2-process run. torchrun's agent re-raises the signal as SignalException:
+    composer_tune/recipe_finder.py prints that as one line."""
+    torchrun = ("--nproc_per_node", "2")
+    straight = run_tune(
+        *torchrun, "recipes/grpo.py", "--config", "cpu_smoke",
+        f"output_dir={tmp_path / 'straight'}", *COMMON,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = _metrics(tmp_path / "straight" / "logs")
+
     stopped_dir = tmp_path / "stopped"
-    status, stdout, stderr = _interrupt_after_step(
-        stopped_dir, 3, tmp_path, "--nproc_per_node", "2"
-    )
+    status, stdout, stderr = _interrupt_after_step(stopped_dir, 3, tmp_path, *torchrun)
     assert status != 0
     assert "KeyboardInterrupt" not in stderr  # no worker died inside a step
+    # No traceback: not from a worker, nor from torchrun's agent (one line instead).
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "torchrun: Process" in stderr and "its workers were told to stop" in stderr
     stopped_at = int(latest_checkpoint(stopped_dir).name.removeprefix("step_"))
     assert 3 <= stopped_at < 12
     assert stdout.count(f"stopped at step {stopped_at}; checkpoint") == 1  # rank 0 only
     resumed = run_tune(
-        "--nproc_per_node",
-        "2",
-        "recipes/grpo.py",
-        "--config",
-        "cpu_smoke",
-        f"output_dir={stopped_dir}",
-        *COMMON,
-        "checkpoint.resume_from_checkpoint=latest",
-    )
+        *torchrun, "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={stopped_dir}",
+        *COMMON, "checkpoint.resume_from_checkpoint=latest",
+        f"logging.metric_logger.log_dir={tmp_path / 'resumed_logs'}",
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped_at}" in resumed.stdout
-    assert SUMMARY.search(resumed.stdout)
+    assert SUMMARY.findall(resumed.stdout) == SUMMARY.findall(straight.stdout) != []
     assert latest_checkpoint(stopped_dir).name == "step_0000012"
+    after_resume = _metrics(tmp_path / "resumed_logs")
+    assert sorted(after_resume) == [step for step in sorted(expected) if step > stopped_at]
+    for step, metrics in after_resume.items():
+        assert metrics == expected[step], step
+    straight_weights, resumed_weights = _weights(tmp_path / "straight"), _weights(stopped_dir)
+    for name, value in straight_weights.items():
+        assert torch.equal(value, resumed_weights[name]), name
 
 
 def test_stop_request_is_off_until_signalled_and_restores_handlers() -> None:

@@ -125,3 +125,23 @@ def test_torchao_version_warning_is_filtered_and_nothing_else() -> None:
         timeout=300,
     )
     assert "Skipping import of cpp extensions" in unhooked.stderr
+
+
+def test_torchrun_signal_stop_is_one_line_and_other_errors_keep_their_traceback() -> None:
+    """The hook prints torchrun's uncaught SignalException (its agent's Ctrl-C stop) as one
+    line; any other uncaught exception, even one named the same elsewhere, is a traceback."""
+
+    def uncaught(raise_it: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", raise_it], capture_output=True, text=True, timeout=300
+        )
+
+    torchrun = uncaught(
+        "from torch.distributed.elastic.multiprocessing.api import SignalException; "
+        "raise SignalException('Process 7 got signal: 2', sigval=2)"
+    )
+    assert torchrun.returncode == 1
+    assert torchrun.stderr == "torchrun: Process 7 got signal: 2; its workers were told to stop\n"
+    other = uncaught("class SignalException(Exception): pass\nraise SignalException('mine')")
+    assert other.returncode == 1
+    assert "Traceback" in other.stderr and "SignalException: mine" in other.stderr

@@ -17,7 +17,8 @@ Everything after ``--`` is the replica command, run once per replica with ``REPL
 in its environment (see composer_tune/diloco/launcher.py); ``DiLoCoTrainer`` reads the first and
 third. Output lines are prefixed ``[replica i]``. The launcher exits 0 when every replica does;
 when one fails (after ``--max-restarts`` restarts in total) it stops the others and exits with
-that replica's status. Ctrl-C stops every replica (SIGTERM, then SIGKILL after a grace period).
+that replica's status. Ctrl-C asks every replica to stop (SIGTERM: they stop together after
+the next sync, save a checkpoint and exit 130) and waits for them; a second Ctrl-C kills them.
 The lighthouse binds 127.0.0.1 and every address the replicas exchange is 127.0.0.1 by default
 (the servers torchft 0.2.0 starts inside each replica listen on all interfaces; it offers no
 option to narrow them).

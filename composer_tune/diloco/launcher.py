@@ -32,11 +32,10 @@ from typing import TextIO
 
 from torchft.coordination import LighthouseServer
 
-from composer_tune.diloco.config import LIGHTHOUSE_ENV, REPLICA_ID_ENV
+from composer_tune.diloco.config import LIGHTHOUSE_ENV, REPLICA_ID_ENV, RESTART_ENV
 
 LOOPBACK = "127.0.0.1"
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
-RESTART_ENV = "REPLICA_RESTART"
 # Seconds a replica gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE_S = 15.0
 
@@ -186,8 +185,11 @@ def launch(
     Starts an in-process lighthouse (``min_replicas``, default ``replicas``) unless
     ``lighthouse_addr`` names a running one. A replica that exits non-zero is restarted up to
     ``max_restarts`` times in total (it rejoins and heals from a live peer); beyond that the
-    other replicas are stopped and its status is returned. Ctrl-C / SIGTERM stop every replica
-    (SIGTERM, then SIGKILL after a grace period) and return 130 / 143.
+    other replicas are stopped and its status is returned.
+
+    Ctrl-C / SIGTERM: every replica gets SIGTERM, which the recipe takes as "stop after the next
+    sync, all replicas at the same one, and save a checkpoint"; the launcher (and its lighthouse,
+    which that sync needs) waits for them and returns 130 / 143. A second signal kills them.
     """
     if not command:
         raise ValueError("no replica command given (put it after `--`)")
@@ -210,50 +212,66 @@ def launch(
         )
         say(f"lighthouse at {lighthouse_addr}")
 
-    exits: queue.Queue[tuple[Replica, int]] = queue.Queue()
+    # Replica exits (replica, returncode) and signals (None, signum), in arrival order.
+    # SimpleQueue.put is reentrant, so the signal handler may put while the loop waits.
+    events: queue.SimpleQueue[tuple[Replica | None, int]] = queue.SimpleQueue()
     running: dict[int, Replica] = {}
     restarts_used = 0
-    stop_signal: list[int] = []
+    stop_signals: list[int] = []
 
     def start(replica_id: int, restart: int) -> None:
         env = replica_env(replica_id, replicas, lighthouse_addr, restart=restart)
         replica = spawn_replica(command, replica_id, env, restart=restart, out=sink, lock=lock)
         running[replica_id] = replica
         threading.Thread(
-            target=lambda: exits.put((replica, replica.process.wait())), daemon=True
+            target=lambda: events.put((replica, replica.process.wait())), daemon=True
         ).start()
 
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_signal.append(signum)
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: events.put((None, signum)))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     status = 0
     try:
         for replica_id in range(replicas):
             start(replica_id, restart=0)
         while running:
-            replica, returncode = exits.get()
+            replica, code = events.get()
+            if replica is None:  # a signal
+                stop_signals.append(code)
+                name = signal.Signals(code).name
+                if len(stop_signals) == 1:
+                    say(
+                        f"got {name}; the replicas stop after their next sync and save a "
+                        "checkpoint (again to kill them)"
+                    )
+                    for running_replica in running.values():
+                        _signal_group(running_replica.process, signal.SIGTERM)
+                    status = 128 + code
+                    continue
+                say(f"got {name} again; killing the replicas")
+                for running_replica in running.values():
+                    _signal_group(running_replica.process, signal.SIGKILL)
+                break
             replica.pump.join(timeout=TERMINATE_GRACE_S)
             del running[replica.replica_id]
-            if returncode == 0:
+            if stop_signals:
+                say(f"replica {replica.replica_id} exited with status {_exit_status(code)}")
+                continue
+            if code == 0:
                 say(f"replica {replica.replica_id} finished")
                 continue
             if restarts_used < max_restarts:
                 restarts_used += 1
                 say(
                     f"replica {replica.replica_id} exited with status "
-                    f"{_exit_status(returncode)}; restart {restarts_used}/{max_restarts}"
+                    f"{_exit_status(code)}; restart {restarts_used}/{max_restarts}"
                 )
                 start(replica.replica_id, restart=replica.restart + 1)
                 continue
-            status = _exit_status(returncode)
+            status = _exit_status(code)
             say(f"replica {replica.replica_id} failed with status {status}; stopping the others")
             break
-    except KeyboardInterrupt:
-        signum = stop_signal[0] if stop_signal else signal.SIGINT
-        say(f"got {signal.Signals(signum).name}; stopping the replicas")
-        status = 128 + signum
     finally:
         for replica in list(running.values()):
             replica.terminate()

@@ -50,7 +50,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -121,6 +121,7 @@ class DiLoCoTrainer:
         self.inner_optimizer = inner_optimizer
         self.lr_scheduler = lr_scheduler
         device = next(model.parameters()).device
+        self._device = device
         self.cfg.validate(device)
         self.replica_id = self.cfg.resolved_replica_id()
 
@@ -175,6 +176,13 @@ class DiLoCoTrainer:
         self._total_sent = 0.0
         self._total_dp_sent = 0.0
         self._pending: list[OuterStepMetrics] = []
+        # Graceful stop: every quorum carries each replica's "was I signalled" vote (see
+        # vote_to_stop), so all replicas stop after the same committed sync.
+        self._signalled: Callable[[], bool] = lambda: False
+        self._stop_vote: tuple[torch.Tensor, Any] | None = None
+        self._stop_agreed = False
+        self._start_quorum = self.manager.start_quorum
+        self.manager.start_quorum = self._start_quorum_with_stop_vote  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -252,6 +260,28 @@ class DiLoCoTrainer:
         self._hooks.clear()
         self.manager.shutdown(wait=wait)
 
+    def vote_to_stop(self, signalled: Callable[[], bool]) -> None:
+        """Makes every later quorum carry this replica's stop vote, ``signalled()``, summed over
+        the replicas with the sync's pseudo-gradients; :meth:`stop_agreed` then tells every
+        replica the same answer after a committed sync. (A replica-local decision would race:
+        the launcher's signal reaches replicas on either side of a sync.)"""
+        self._signalled = signalled
+
+    def stop_agreed(self) -> bool:
+        """Whether some replica voted to stop in the last committed sync (call right after it;
+        a collective within a multi-rank replica: the max over its ranks)."""
+        agreed = torch.tensor([1.0 if self._stop_agreed else 0.0], device=self._device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return bool(agreed.item() > 0)
+
+    def _start_quorum_with_stop_vote(self, *args: Any, **kwargs: Any) -> None:
+        # torchft's DiLoCo starts a quorum right before its pseudo-gradient allreduces: the vote
+        # joins them in the same quorum, in the same order on every replica.
+        self._start_quorum(*args, **kwargs)
+        vote = torch.tensor([1.0 if self._signalled() else 0.0], device=self._device)
+        self._stop_vote = (vote, self.manager.allreduce(vote))
+
     @property
     def outer_step(self) -> int:
         """Committed syncs of the whole run (torchft's manager step); the same on every
@@ -302,6 +332,12 @@ class DiLoCoTrainer:
             previous_total_dp_sent=self._total_dp_sent,
             batches_committed=self.manager.batches_committed(),
         )
+        self._stop_agreed = False
+        if self._stop_vote is not None:
+            vote, work = self._stop_vote
+            self._stop_vote = None
+            work.wait()
+            self._stop_agreed = metrics.committed and float(vote.item()) > 0
         self._total_sent = metrics.total_bytes_sent
         self._total_dp_sent = metrics.total_dp_bytes_sent
         self._pending.append(metrics)
