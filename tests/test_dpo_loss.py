@@ -7,13 +7,8 @@ import pytest
 import torch
 from torchtune.rlhf.loss import DPOLoss
 
-from composer_tune.losses.dpo import (
-    DPOLossConfig,
-    DPOOutput,
-    completion_logps,
-    completion_targets,
-    dpo_loss,
-)
+from composer_tune.channels.dpo_reference import completion_logps, completion_targets
+from composer_tune.losses.dpo import DPOLossConfig, DPOOutput, dpo_loss
 from composer_tune.models import qwen3_tiny
 from composer_tune.rollout.generation import PackedBatch, pack_sequences
 

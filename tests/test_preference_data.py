@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_tune.channels.dpo_reference import compute_reference_logps, reference_cache_path
+from composer_tune.channels.dpo_reference import (
+    completion_targets,
+    compute_reference_logps,
+    reference_cache_path,
+)
+from composer_tune.channels.replay_dpo import preference_loss
 from composer_tune.data.preference import (
     PreferenceDataError,
     PreferenceDataset,
@@ -24,7 +29,7 @@ from composer_tune.data.preference import (
     pair_id,
 )
 from composer_tune.data.tokenizer import ChatTokenizer
-from composer_tune.losses.dpo import DPOLossConfig, completion_targets, dpo_loss, preference_loss
+from composer_tune.losses.dpo import DPOLossConfig, dpo_loss
 from composer_tune.models import qwen3_tiny
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
-"""The frozen reference's log-probs of every preference pair (channel 3, trace-replay DPO,
-this project's own addition), computed once and cached.
+"""Completion log-probs of preference pairs (channel 3, trace-replay DPO, this project's own
+addition): the forward the policy and the reference share, and the frozen reference's values,
+computed once and cached.
 
 Summed completion log-probs of the frozen initial policy, cached as JSON, one file per
 reference-model fingerprint, entries keyed by each pair's ``cache_key`` (pair id + a hash of the
@@ -17,12 +18,42 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from composer_tune.data.preference import PreferenceExample, collate_preference
-from composer_tune.losses.dpo import completion_logps
+from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
+from composer_tune.rollout.generation import PackedBatch
 
 _CACHE_VERSION = 1
+
+
+def completion_targets(batch: PackedBatch) -> Tensor:
+    """``[b, T]`` targets for the log-prob head: the next token where it is a completion token.
+
+    ``targets[:, t] = tokens[:, t + 1]`` wherever ``completion_mask[:, t + 1]`` (the model
+    predicts column ``t + 1`` from position ``t``, see ``PackedBatch``), ``IGNORE_INDEX``
+    elsewhere, including the last column, which predicts nothing.
+    """
+    targets = torch.full_like(batch.tokens, IGNORE_INDEX)
+    targets[:, :-1] = torch.where(batch.completion_mask[:, 1:], batch.tokens[:, 1:], IGNORE_INDEX)
+    return targets
+
+
+def completion_logps(
+    model: nn.Module, batch: PackedBatch, *, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """Summed completion log-probs of every row of ``batch`` and the completion lengths.
+
+    One forward of ``model`` (a ``CausalDecoder``, or any decoder accepting ``head_fn``) through
+    the chunked log-prob head, so no ``[b, T, vocab]`` logits are materialised. Gradients flow
+    when grad is enabled (the policy); wrap in ``torch.no_grad()`` for the reference.
+
+    Returns:
+        ``(logps [b] float32, token_counts [b] long)``, on the batch's device.
+    """
+    targets = completion_targets(batch)
+    token_logps = model(batch.tokens, head_fn=logprob_head(targets, chunk_size=chunk_size))
+    return token_logps.sum(dim=-1), (targets != IGNORE_INDEX).sum(dim=-1)
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -31,7 +31,11 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from composer_tune.channels.dpo_reference import compute_reference_logps, model_fingerprint
+from composer_tune.channels.dpo_reference import (
+    completion_logps,
+    compute_reference_logps,
+    model_fingerprint,
+)
 from composer_tune.data.preference import (
     PreferenceBatch,
     PreferenceDataset,
@@ -41,7 +45,7 @@ from composer_tune.data.preference import (
 )
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, all_reduce_sum
-from composer_tune.losses.dpo import DPO_LOSS_TYPES, DPOLossConfig, preference_loss
+from composer_tune.losses.dpo import DPO_LOSS_TYPES, DPOLossConfig, DPOOutput, dpo_loss
 
 
 @dataclass(frozen=True)
@@ -437,3 +441,46 @@ def pair_loss_backward(
     (cfg.weight * output.loss).backward()
     metrics = {f"dpo/{name}": value for name, value in output.metrics().items()}
     return cfg.weight * float(output.loss.detach()), metrics
+
+
+def preference_loss(
+    policy: nn.Module,
+    batch: PreferenceBatch,
+    config: DPOLossConfig,
+    *,
+    reference_model: nn.Module | None = None,
+    chunk_size: int = 1024,
+) -> DPOOutput:
+    """The DPO loss of one collated preference batch: a recipe's whole training-step forward.
+
+    One policy forward over the batch's ``2B`` rows (chosen then rejected). Reference log-probs
+    come from the batch (collated with a table from
+    ``composer_tune.channels.dpo_reference.compute_reference_logps``) or, when ``reference_model`` is
+    given, from a no-grad forward of it on the same rows (the on-the-fly mode).
+    """
+    logps, counts = completion_logps(policy, batch.packed, chunk_size=chunk_size)
+    if reference_model is not None:
+        with torch.no_grad():
+            reference_logps, _ = completion_logps(
+                reference_model, batch.packed, chunk_size=chunk_size
+            )
+        reference_chosen, reference_rejected = batch.split(reference_logps)
+    elif batch.reference_chosen_logps is not None and batch.reference_rejected_logps is not None:
+        reference_chosen = batch.reference_chosen_logps
+        reference_rejected = batch.reference_rejected_logps
+    else:
+        raise ValueError(
+            "preference_loss: the batch carries no reference log-probs (collate it with "
+            "reference=compute_reference_logps(...)) and no reference_model was given"
+        )
+    policy_chosen, policy_rejected = batch.split(logps)
+    chosen_counts, rejected_counts = batch.split(counts)
+    return dpo_loss(
+        policy_chosen,
+        policy_rejected,
+        reference_chosen,
+        reference_rejected,
+        config,
+        chosen_token_counts=chosen_counts,
+        rejected_token_counts=rejected_counts,
+    )

@@ -1,6 +1,7 @@
 """Losses: the GRPO-family policy objectives and KL estimators (channel 1), the SDPO
 distillation divergence (channel 2), DPO variants (channel 3, this project's own addition), and
-chunked token log-probs that never materialise ``[batch, seq, vocab]`` float32 logits."""
+chunked token log-probs that never materialise ``[batch, seq, vocab]`` float32 logits. Math on
+tensors: the model forwards that feed them live with their channels (``composer_tune.channels``)."""
 
 from composer_tune.losses.distill import (
     DistillConfig,
@@ -10,13 +11,7 @@ from composer_tune.losses.distill import (
     distill_loss,
     teacher_topk,
 )
-from composer_tune.losses.dpo import (
-    DPOLossConfig,
-    DPOOutput,
-    completion_logps,
-    dpo_loss,
-    preference_loss,
-)
+from composer_tune.losses.dpo import DPOLossConfig, DPOOutput, dpo_loss
 from composer_tune.losses.kl import KLEstimator, apply_kl_to_rewards, kl_penalty
 from composer_tune.losses.logprobs import (
     logprob_head,
@@ -48,7 +43,6 @@ __all__ = [
     "TeacherTopK",
     "apply_kl_to_rewards",
     "apply_truncation_mask",
-    "completion_logps",
     "compute_advantages",
     "distill_loss",
     "dpo_loss",
@@ -57,7 +51,6 @@ __all__ = [
     "naive_token_logprobs",
     "needs_reference_model",
     "policy_loss",
-    "preference_loss",
     "teacher_topk",
     "token_logprobs",
 ]

@@ -1,4 +1,5 @@
-"""DPO-family preference losses and the completion log-probs they consume.
+"""DPO-family preference losses on completion log-probs (pure math: the model forwards that
+produce the log-probs are channel 3's, ``composer_tune.channels``).
 
 Used by channel 3 of composer-tune, trace-replay DPO: this project's OWN research addition, not
 part of Cursor's published Composer recipe (which has GRPO-family RL and SDPO self-distillation
@@ -22,7 +23,7 @@ hinge      ``relu(1 - beta h)``; SLiC-style hinge on the log-ratio margin (TRL's
            ``loss_type="hinge"``).
 =========  ==============================================================================
 
-Inputs are summed completion log-probs (see :func:`completion_logps`) plus, for ``ipo``, the
+Inputs are summed completion log-probs (``composer_tune.channels.dpo_reference.completion_logps``) plus, for ``ipo``, the
 completion token counts. Implicit rewards ``beta (log pi - log pi_ref)`` and the margin are
 reported from the same (summed, or averaged for ipo) log-probs the loss uses.
 """
@@ -30,17 +31,11 @@ reported from the same (summed, or averaged for ipo) log-probs the loss uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
-from composer_tune.rollout.generation import PackedBatch
-
-if TYPE_CHECKING:  # only for annotations: preference.py imports this module
-    from composer_tune.data.preference import PreferenceBatch
+from torch import Tensor
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
@@ -198,75 +193,3 @@ def _token_counts(counts: Tensor | None, name: str, shape: torch.Size) -> Tensor
     if bool((counts <= 0).any()):
         raise ValueError(f"dpo_loss: {name} must be > 0 (an empty completion has no average)")
     return counts
-
-
-def completion_targets(batch: PackedBatch) -> Tensor:
-    """``[b, T]`` targets for the log-prob head: the next token where it is a completion token.
-
-    ``targets[:, t] = tokens[:, t + 1]`` wherever ``completion_mask[:, t + 1]`` (the model
-    predicts column ``t + 1`` from position ``t``, see ``PackedBatch``), ``IGNORE_INDEX``
-    elsewhere, including the last column, which predicts nothing.
-    """
-    targets = torch.full_like(batch.tokens, IGNORE_INDEX)
-    targets[:, :-1] = torch.where(batch.completion_mask[:, 1:], batch.tokens[:, 1:], IGNORE_INDEX)
-    return targets
-
-
-def completion_logps(
-    model: nn.Module, batch: PackedBatch, *, chunk_size: int = 1024
-) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs of every row of ``batch`` and the completion lengths.
-
-    One forward of ``model`` (a ``CausalDecoder``, or any decoder accepting ``head_fn``) through
-    the chunked log-prob head, so no ``[b, T, vocab]`` logits are materialised. Gradients flow
-    when grad is enabled (the policy); wrap in ``torch.no_grad()`` for the reference.
-
-    Returns:
-        ``(logps [b] float32, token_counts [b] long)``, on the batch's device.
-    """
-    targets = completion_targets(batch)
-    token_logps = model(batch.tokens, head_fn=logprob_head(targets, chunk_size=chunk_size))
-    return token_logps.sum(dim=-1), (targets != IGNORE_INDEX).sum(dim=-1)
-
-
-def preference_loss(
-    policy: nn.Module,
-    batch: PreferenceBatch,
-    config: DPOLossConfig,
-    *,
-    reference_model: nn.Module | None = None,
-    chunk_size: int = 1024,
-) -> DPOOutput:
-    """The DPO loss of one collated preference batch: a recipe's whole training-step forward.
-
-    One policy forward over the batch's ``2B`` rows (chosen then rejected). Reference log-probs
-    come from the batch (collated with a table from
-    ``composer_tune.channels.dpo_reference.compute_reference_logps``) or, when ``reference_model`` is
-    given, from a no-grad forward of it on the same rows (the on-the-fly mode).
-    """
-    logps, counts = completion_logps(policy, batch.packed, chunk_size=chunk_size)
-    if reference_model is not None:
-        with torch.no_grad():
-            reference_logps, _ = completion_logps(
-                reference_model, batch.packed, chunk_size=chunk_size
-            )
-        reference_chosen, reference_rejected = batch.split(reference_logps)
-    elif batch.reference_chosen_logps is not None and batch.reference_rejected_logps is not None:
-        reference_chosen = batch.reference_chosen_logps
-        reference_rejected = batch.reference_rejected_logps
-    else:
-        raise ValueError(
-            "preference_loss: the batch carries no reference log-probs (collate it with "
-            "reference=compute_reference_logps(...)) and no reference_model was given"
-        )
-    policy_chosen, policy_rejected = batch.split(logps)
-    chosen_counts, rejected_counts = batch.split(counts)
-    return dpo_loss(
-        policy_chosen,
-        policy_rejected,
-        reference_chosen,
-        reference_rejected,
-        config,
-        chosen_token_counts=chosen_counts,
-        rejected_token_counts=rejected_counts,
-    )
