@@ -466,14 +466,9 @@ class DiLoCoRecipe:
 
     # ----------------------------------------------------------------------------- training
 
-    def train(self) -> bool:
-        """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
-        a committed sync every replica agreed on, with a checkpoint saved there)."""
-        # Caught from the step-0 evaluation on: the launcher may signal during it.
-        with StopRequest(self.dist) as stop:
-            return self._train(stop)
-
-    def _train(self, stop: StopRequest) -> bool:
+    def train(self, stop: StopRequest) -> bool:
+        """Trains to ``max_steps``; returns False if ``stop`` was signalled and ended the run
+        early (after a committed sync every replica agreed on, with a checkpoint saved there)."""
         cfg = self.cfg
         if not self.resumed:
             before, self.pairs_before = self.evaluate()
@@ -802,8 +797,12 @@ def recipe_main(cfg: DictConfig) -> None:
     the DiLoCo outer loop, one replica."""
     with config.setup_errors_as_one_line():
         recipe = DiLoCoRecipe(cfg)
-        recipe.setup()
-    finished = recipe.train()
+    # Caught from set-up on: the launcher signals every replica at once, and one still setting
+    # up must not die while its peers wait for it in a sync; it votes to stop at its first.
+    with StopRequest(recipe.dist) as stop:
+        with config.setup_errors_as_one_line():
+            recipe.setup()
+        finished = recipe.train(stop)
     recipe.cleanup()
     if not finished:  # stopped by a signal, after saving a checkpoint
         sys.exit(STOPPED_EXIT_CODE)

@@ -757,6 +757,33 @@ def test_launcher_ctrl_c_asks_every_replica_to_stop_and_waits_for_them() -> None
     assert "Traceback" not in text
 
 
+_REPLICA_1_DIES_ON_SIGTERM = """
+import os, signal, sys, time
+terms = []
+def on_term(*_):
+    if os.environ["REPLICA_ID"] == "1":
+        sys.exit(143)  # as if killed before its stop handler was installed
+    terms.append(1)
+    if len(terms) == 2:
+        sys.exit(143)  # a second SIGTERM aborts, as the recipe's StopRequest does
+    print("stopping at the next sync", flush=True)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_launcher_stops_the_others_when_a_replica_dies_instead_of_stopping() -> None:
+    returncode, text = _interrupt_launcher(_REPLICA_1_DIES_ON_SIGTERM, signals=1)
+    assert returncode == 130, text
+    assert "[launcher] replica 1 exited with status 143" in text
+    assert "the other replicas cannot sync without it: stopping them unsaved" in text
+    assert "[replica 0] stopping at the next sync" in text
+    assert "Traceback" not in text
+
+
 @pytest.mark.slow
 def test_launcher_second_ctrl_c_kills_replicas_that_do_not_stop() -> None:
     returncode, text = _interrupt_launcher(_IGNORE_SIGTERM, signals=2)

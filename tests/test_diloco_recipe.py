@@ -526,7 +526,7 @@ def test_pairs_per_step_too_large_for_the_replicas_is_rejected() -> None:
 def test_ctrl_c_stops_every_replica_after_one_sync_and_latest_finishes_the_run(
     two_replicas: Path, sft_warm_start: RecipeRun, tmp_path: Path
 ) -> None:
-    """Ctrl-C to the launcher once the step-0 evaluation is printed: both replicas stop after
+    """Ctrl-C to the launcher once both replicas printed their step-0 evaluation: both stop after
     the same committed sync (their stop votes travel in its quorum), save a checkpoint there
     and exit 130 with no traceback; `latest` then ends on the uninterrupted run's weights."""
     executables = {"python": sys.executable, "tune": TUNE}
@@ -545,7 +545,9 @@ def test_ctrl_c_stops_every_replica_after_one_sync_and_latest_finishes_the_run(
         assert launcher.stdout is not None
         for line in launcher.stdout:
             lines.append(line)
-            if "[step 0, outer step 0]" in line:
+            # Both replicas are training (a replica still importing torch would die of the
+            # signal instead of stopping; the launcher then stops the other unsaved).
+            if sum("[step 0, outer step 0]" in seen for seen in lines) == 2:
                 launcher.send_signal(signal.SIGINT)
                 break
         rest, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)

@@ -33,6 +33,7 @@ from typing import TextIO
 from torchft.coordination import LighthouseServer
 
 from composer_tune.diloco.config import LIGHTHOUSE_ENV, REPLICA_ID_ENV, RESTART_ENV
+from composer_tune.stop import STOPPED_EXIT_CODE
 
 LOOPBACK = "127.0.0.1"
 NUM_REPLICAS_ENV = "NUM_REPLICAS"
@@ -189,7 +190,8 @@ def launch(
 
     Ctrl-C / SIGTERM: every replica gets SIGTERM, which the recipe takes as "stop after the next
     sync, all replicas at the same one, and save a checkpoint"; the launcher (and its lighthouse,
-    which that sync needs) waits for them and returns 130 / 143. A second signal kills them.
+    which that sync needs) waits for them and returns 130 / 143. A second signal kills them, and
+    so does a replica that dies instead of stopping (its peers could never sync again).
     """
     if not command:
         raise ValueError("no replica command given (put it after `--`)")
@@ -257,6 +259,10 @@ def launch(
             del running[replica.replica_id]
             if stop_signals:
                 say(f"replica {replica.replica_id} exited with status {_exit_status(code)}")
+                if code not in (0, STOPPED_EXIT_CODE) and running:
+                    # Killed before it could stop (e.g. still importing): no sync can commit.
+                    say("the other replicas cannot sync without it: stopping them unsaved")
+                    break
                 continue
             if code == 0:
                 say(f"replica {replica.replica_id} finished")
