@@ -81,7 +81,13 @@ def _logged(log_file: Path) -> dict[int, dict[str, float]]:
 
 
 def test_weight_zero_is_grpo_exactly(sft_hints_warm_start: RecipeRun, tmp_path: Path) -> None:
-    common = [f"warm_start.output_dir={sft_hints_warm_start.output_dir}", *QUICK, "max_steps=3"]
+    # grpo's config names the plain cpu_smoke SFT run: say which run this folder holds.
+    common = [
+        f"warm_start.output_dir={sft_hints_warm_start.output_dir}",
+        "warm_start.config=cpu_smoke_hints",
+        *QUICK,
+        "max_steps=3",
+    ]
     grpo = _run("grpo", tmp_path / "grpo", common)
     sdpo = _run("sdpo", tmp_path / "sdpo", [*common, "sdpo.weight=0"])
     assert sorted(grpo) == [0, 1, 2, 3]
