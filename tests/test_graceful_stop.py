@@ -170,3 +170,41 @@ def test_stop_request_is_off_until_signalled_and_restores_handlers() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the test process keeps running
         assert stop.requested() and stop.signal_name == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+def test_sigint_while_the_warm_start_trains_keeps_its_checkpoint_and_prints_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C while an RL recipe is still training its SFT warm start (set-up): the SFT run
+    stops with a checkpoint (the next start resumes it) and the RL run ends with one line."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONUNBUFFERED"] = "1"
+    sft_dir, rl_dir = tmp_path / "sft", tmp_path / "grpo"
+    out, err = tmp_path / "stop.out", tmp_path / "stop.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(
+            [TUNE, "run", "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={rl_dir}"]
+            + [f"warm_start.output_dir={sft_dir}", "logging.progress_bar=false"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        deadline = time.monotonic() + 600
+        while not any("Step 50 |" in log.read_text() for log in sft_dir.glob("logs/log_*.txt")):
+            assert process.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the warm start never logged a step"
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGINT)
+        status = process.wait(timeout=600)
+    stdout_text, stderr_text = out.read_text(), err.read_text()
+    assert status == STOPPED_EXIT_CODE, stderr_text[-3000:]
+    assert "Traceback" not in stderr_text and "KeyboardInterrupt" not in stderr_text
+    assert stderr_text.strip().splitlines()[-1] == (
+        "interrupted during set-up; no training step was taken"
+    )
+    saved = latest_checkpoint(sft_dir)
+    assert saved is not None and f"stopped at step {int(saved.name[5:])}" in stdout_text
+    assert not rl_dir.exists()  # the RL run wrote nothing

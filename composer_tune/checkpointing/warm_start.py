@@ -189,11 +189,17 @@ def _train(section: WarmStartSection, *, resume: bool) -> None:
             flush=True,
         )
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
-    completed = subprocess.run(command, env=env, check=False)
-    if completed.returncode != 0:
-        raise RuntimeError(
-            f"warm start: `{' '.join(command)}` exited with status {completed.returncode}"
-        )
+    child = subprocess.Popen(command, env=env)
+    try:
+        returncode = child.wait()
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached the warm-start run too (one process group): it stops at
+        # its next step with a checkpoint the next start resumes. Wait for it, do not kill it
+        # (subprocess.run would); a second Ctrl-C aborts both.
+        child.wait()
+        raise
+    if returncode != 0:
+        raise RuntimeError(f"warm start: `{' '.join(command)}` exited with status {returncode}")
 
 
 @contextlib.contextmanager

@@ -36,9 +36,16 @@ def setup_errors_as_one_line() -> Iterator[None]:
     """Around a recipe's construction and ``setup()``: a config value or input the run cannot use
     (``ValueError``, which ``ConfigError`` is, or a missing file) ends the process with one
     ``error:`` line on stderr (rank 0's) and exit status 2, as a malformed command line does,
-    instead of a traceback. ``COMPOSER_TUNE_TRACEBACK=1`` re-raises it."""
+    instead of a traceback. ``COMPOSER_TUNE_TRACEBACK=1`` re-raises it. Ctrl-C during set-up
+    (nothing to save yet) is one line too, with the shell's status 130."""
     try:
         yield
+    except KeyboardInterrupt:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted during set-up; no training step was taken", file=sys.stderr)
+        sys.exit(130)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
