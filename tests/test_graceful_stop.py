@@ -191,6 +191,8 @@ def test_sigint_while_the_warm_start_trains_keeps_its_checkpoint_and_prints_no_t
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,  # its own process group, as a terminal's foreground job
+            # SIGINT as a terminal gives it (a shell's background job, e.g. CI, ignores it).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 600
         while not any("Step 50 |" in log.read_text() for log in sft_dir.glob("logs/log_*.txt")):

@@ -41,6 +41,7 @@ from composer_tune.checkpointing.run_identity import (
 from composer_tune.checkpointing.run_state import MODEL_DIR, checkpoint_step, latest_checkpoint
 from composer_tune.config import load_recipe_config
 from composer_tune.distributed import DistInfo, barrier
+from composer_tune.stop import STOPPED_EXIT_CODE
 
 # Set by torchrun; a child that inherited them would try to join this run's process group.
 _TORCHRUN_ENV = (
@@ -198,6 +199,10 @@ def _train(section: WarmStartSection, *, resume: bool) -> None:
         # (subprocess.run would); a second Ctrl-C aborts both.
         child.wait()
         raise
+    if returncode == STOPPED_EXIT_CODE:
+        # It was signalled and stopped with a checkpoint; this process too, where its own
+        # SIGINT handler did not run (a shell's background job starts with SIGINT ignored).
+        raise KeyboardInterrupt
     if returncode != 0:
         raise RuntimeError(f"warm start: `{' '.join(command)}` exited with status {returncode}")
 
