@@ -19,10 +19,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from composer_tune.distributed import DistInfo
+from composer_tune.distributed import DistInfo, any_rank
 
 # The shell's convention for a process ended by SIGINT (128 + 2): scripts see "interrupted".
 STOPPED_EXIT_CODE = 130
@@ -75,15 +72,15 @@ class StopRequest:
                 flush=True,
             )
 
+    @property
+    def signalled(self) -> bool:
+        """Whether this process was signalled (local; no collective)."""
+        return self.signal_name is not None
+
     def requested(self) -> bool:
         """Whether any rank was signalled (collective: every rank must call it at the same
         point, and every rank gets the same answer)."""
-        local = 1.0 if self.signal_name is not None else 0.0
-        if not (dist.is_available() and dist.is_initialized()):
-            return local > 0
-        flag = torch.tensor([local], device=self.dist_info.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return any_rank(self.signalled, self.dist_info.device)
 
 
 def print_stopped(step: int, checkpoint: Any, dist_info: DistInfo) -> None:

@@ -484,7 +484,7 @@ class DiLoCoRecipe:
         window_start, window_tokens = time.perf_counter(), 0.0
         saved_outer_step = self.diloco.outer_step if self.resumed else None
         with self.diloco:
-            self.diloco.vote_to_stop(lambda: stop.signal_name is not None)
+            self.diloco.vote_to_stop(lambda: stop.signalled)
             while self.diloco.outer_step < self.max_outer_steps:
                 # 1. Rollout (channels 1 and 2): G completions per prompt, rewards, old (and
                 # reference) log-probs. Channel 3 alone trains on pairs only.

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -55,37 +56,44 @@ def _weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _interrupt_after_step(
-    output_dir: Path, step: int, tmp_path: Path, *launcher: str
+def _interrupt_when_logged(
+    tune_args: Sequence[str], log_dir: Path, step: int, tmp_path: Path
 ) -> tuple[int, str, str]:
-    """Starts the run in its own session (as a terminal's foreground job), sends SIGINT to the
-    whole group once ``step`` is logged; returns (exit status, stdout, stderr). ``launcher``:
-    torchrun flags of ``tune run``."""
+    """Starts ``tune run <tune_args>`` in its own session (as a terminal's foreground job, with
+    a terminal's SIGINT disposition: a shell's background job, e.g. CI, ignores SIGINT), sends
+    SIGINT to the whole group once ``log_dir`` logs ``step``; returns (exit status, stdout,
+    stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"
     out, err = tmp_path / "stop.out", tmp_path / "stop.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         process = subprocess.Popen(
-            [TUNE, "run", *launcher, "recipes/grpo.py", "--config", "cpu_smoke"]
-            + [f"output_dir={output_dir}", *COMMON],
+            [TUNE, "run", *tune_args],
             cwd=REPO_ROOT,
             env=env,
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 900
         marker = f"Step {step} |"
-        while True:
-            logs = list((output_dir / "logs").glob("log_*.txt"))
-            if logs and marker in logs[0].read_text():
-                break
+        while not any(marker in log.read_text() for log in log_dir.glob("log_*.txt")):
             assert process.poll() is None, err.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run never logged the step"
+            assert time.monotonic() < deadline, f"{log_dir} never logged step {step}"
             time.sleep(0.05)
         os.killpg(process.pid, signal.SIGINT)
         status = process.wait(timeout=600)
     return status, out.read_text(), err.read_text()
+
+
+def _interrupt_after_step(
+    output_dir: Path, step: int, tmp_path: Path, *launcher: str
+) -> tuple[int, str, str]:
+    """The grpo run of ``COMMON`` (``launcher``: torchrun flags of ``tune run``), interrupted
+    once it logs ``step`` (see :func:`_interrupt_when_logged`)."""
+    command = [*launcher, "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={output_dir}"]
+    return _interrupt_when_logged([*command, *COMMON], output_dir / "logs", step, tmp_path)
 
 
 @pytest.mark.slow
@@ -178,30 +186,14 @@ def test_sigint_while_the_warm_start_trains_keeps_its_checkpoint_and_prints_no_t
 ) -> None:
     """Ctrl-C while an RL recipe is still training its SFT warm start (set-up): the SFT run
     stops with a checkpoint (the next start resumes it) and the RL run ends with one line."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONUNBUFFERED"] = "1"
     sft_dir, rl_dir = tmp_path / "sft", tmp_path / "grpo"
-    out, err = tmp_path / "stop.out", tmp_path / "stop.err"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen(
-            [TUNE, "run", "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={rl_dir}"]
-            + [f"warm_start.output_dir={sft_dir}", "logging.progress_bar=false"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,  # its own process group, as a terminal's foreground job
-            # SIGINT as a terminal gives it (a shell's background job, e.g. CI, ignores it).
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        deadline = time.monotonic() + 600
-        while not any("Step 50 |" in log.read_text() for log in sft_dir.glob("logs/log_*.txt")):
-            assert process.poll() is None, err.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the warm start never logged a step"
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGINT)
-        status = process.wait(timeout=600)
-    stdout_text, stderr_text = out.read_text(), err.read_text()
+    status, stdout_text, stderr_text = _interrupt_when_logged(
+        ["recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={rl_dir}"]
+        + [f"warm_start.output_dir={sft_dir}", "logging.progress_bar=false"],
+        sft_dir / "logs",
+        50,  # the SFT run logs every 50 steps
+        tmp_path,
+    )
     assert status == STOPPED_EXIT_CODE, stderr_text[-3000:]
     assert "Traceback" not in stderr_text and "KeyboardInterrupt" not in stderr_text
     assert stderr_text.strip().splitlines()[-1] == (

@@ -20,6 +20,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
 
+from composer_tune.stop import STOPPED_EXIT_CODE
+
 _NULLS = ("null", "None", "~")
 
 
@@ -45,7 +47,7 @@ def setup_errors_as_one_line() -> Iterator[None]:
             raise
         if os.environ.get("RANK", "0") == "0":
             print("interrupted during set-up; no training step was taken", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(STOPPED_EXIT_CODE)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
@@ -160,13 +162,20 @@ def load_recipe_config(
     path = Path(recipe_file).resolve()
     if not path.is_file():
         raise ConfigError(f"recipe file {recipe_file} does not exist")
+    return load_config(config, overrides, recipe_file=path, schema=_recipe_schema(path))
+
+
+@functools.cache
+def _recipe_schema(path: Path) -> type | None:
+    """The schema of the one ``config.parse``d function in the recipe file at ``path`` (the file
+    is executed once per process, however often its configs are resolved)."""
     spec = importlib.util.spec_from_file_location(f"_composer_tune_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     mains = [value for value in vars(module).values() if hasattr(value, "config_schema")]
     if len(mains) != 1:
-        raise ConfigError(f"{recipe_file}: expected one function decorated with config.parse")
-    return load_config(config, overrides, recipe_file=path, schema=mains[0].config_schema)
+        raise ConfigError(f"{path}: expected one function decorated with config.parse")
+    return mains[0].config_schema
 
 
 def _apply_schema(cfg: DictConfig, schema: type, path: Path) -> DictConfig:

@@ -69,6 +69,7 @@ from torchft.process_group import ProcessGroup, ProcessGroupGloo, ProcessGroupNC
 from composer_tune.diloco.config import DiLoCoConfig
 from composer_tune.diloco.fragments import split_into_fragments
 from composer_tune.diloco.metrics import OuterStepMetrics, build_outer_step_metrics, payload_bytes
+from composer_tune.distributed import any_rank
 
 _STATE_KEYS = ("model", "inner_optimizer", "lr_scheduler", "outer")
 
@@ -270,10 +271,7 @@ class DiLoCoTrainer:
     def stop_agreed(self) -> bool:
         """Whether some replica voted to stop in the last committed sync (call right after it;
         a collective within a multi-rank replica: the max over its ranks)."""
-        agreed = torch.tensor([1.0 if self._stop_agreed else 0.0], device=self._device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return bool(agreed.item() > 0)
+        return any_rank(self._stop_agreed, self._device)
 
     def _start_quorum_with_stop_vote(self, *args: Any, **kwargs: Any) -> None:
         # torchft's DiLoCo starts a quorum right before its pseudo-gradient allreduces: the vote

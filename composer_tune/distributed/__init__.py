@@ -70,6 +70,16 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (a max all-reduce: collective, every rank gets the
+    same answer); ``flag`` itself in a single process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

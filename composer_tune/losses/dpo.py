@@ -23,8 +23,9 @@ hinge      ``relu(1 - beta h)``; SLiC-style hinge on the log-ratio margin (TRL's
            ``loss_type="hinge"``).
 =========  ==============================================================================
 
-Inputs are summed completion log-probs (``composer_tune.channels.dpo_reference.completion_logps``) plus, for ``ipo``, the
-completion token counts. Implicit rewards ``beta (log pi - log pi_ref)`` and the margin are
+Inputs are summed completion log-probs
+(``composer_tune.channels.dpo_reference.completion_logps``) plus, for ``ipo``, the completion
+token counts. Implicit rewards ``beta (log pi - log pi_ref)`` and the margin are
 reported from the same (summed, or averaged for ipo) log-probs the loss uses.
 """
 
