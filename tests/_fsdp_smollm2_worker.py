@@ -16,7 +16,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchtune import training
 
-from composer_tune.distributed import all_reduce_sum, setup_distributed, teardown_distributed
+from composer_tune.distributed import (
+    all_reduce_sum,
+    finish_process,
+    setup_distributed,
+    teardown_distributed,
+)
 from composer_tune.models.build import build_decoder
 
 WATCHED = (
@@ -64,4 +69,4 @@ def main(checkpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    finish_process(lambda: main(sys.argv[1], sys.argv[2]))

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from torchtune.training import set_activation_checkpointing, shard_model
 
+from composer_tune.distributed import finish_process, setup_distributed, teardown_distributed
 from composer_tune.models import qwen3_tiny
 
 VOCAB = 96
@@ -91,7 +92,7 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+    setup_distributed("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise RuntimeError(f"expected 2 ranks, got {world}")
@@ -135,8 +136,8 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=2)
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    finish_process(lambda: main(sys.argv[1]))

@@ -542,11 +542,12 @@ FSDP_WORKER = """
 import copy, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from composer_tune.distributed import shard_decoder
+from composer_tune.distributed import finish_process, setup_distributed, shard_decoder
+from composer_tune.distributed import teardown_distributed
 from composer_tune.losses.distill import DistillConfig, EMATeacher, distill_loss, teacher_topk
 from composer_tune.models import qwen3_tiny
 
-dist.init_process_group("gloo")
+setup_distributed("cpu")
 torch.manual_seed(0)
 student = qwen3_tiny(vocab_size=64, initializer_range=0.5)
 plain_student = copy.deepcopy(student)
@@ -592,7 +593,8 @@ if dist.get_rank() == 0:
         "grad_diff": max((a - b).abs().max().item() for a, b in zip(grads, plain_grads)),
         "grad_norm": sum(g.norm() ** 2 for g in plain_grads).sqrt().item(),
     }, open(sys.argv[1], "w"))
-dist.destroy_process_group()
+teardown_distributed()
+finish_process(lambda: None)  # ends the process without finalizing: see finish_process
 """
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torchtune.models.qwen2._component_builders import qwen2
 
+from composer_tune.distributed import finish_process, setup_distributed, teardown_distributed
 from composer_tune.rollout import generate, pack_sequences, sample_next_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -515,7 +516,7 @@ def _sync_ranks_worker(out_dir: Path) -> None:
 
     from composer_tune.models import qwen3_tiny
 
-    torch.distributed.init_process_group("gloo")
+    setup_distributed("cpu")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     sharded = qwen3_tiny(vocab_size=VOCAB, initializer_range=0.5)
@@ -558,7 +559,7 @@ def _sync_ranks_worker(out_dir: Path) -> None:
         "caches_removed": not sharded.caches_are_setup(),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    teardown_distributed()
 
 
 @pytest.mark.slow
@@ -593,4 +594,4 @@ def test_sync_ranks_with_fsdp2(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _sync_ranks_worker(Path(sys.argv[1]))
+    finish_process(lambda: _sync_ranks_worker(Path(sys.argv[1])))

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torchtune.config._utils import _get_component_from_path, _merge_yaml_and_cli_args
 
+from composer_tune.distributed import finish_process
 from composer_tune.stop import STOPPED_EXIT_CODE
 
 _NULLS = ("null", "None", "~")
@@ -245,7 +246,8 @@ def parse(
     """Decorator for a recipe's ``main(cfg)``: ``--config NAME_OR_PATH [key=value ...]``.
 
     Use as ``@parse(schema=MyRecipeConfig)`` (or bare ``@parse``). The recipe file the decorated
-    function lives in decides where bare config names are looked up.
+    function lives in decides where bare config names are looked up. The recipe runs through
+    ``distributed.finish_process``: a process that ran gloo collectives ends when it returns.
     """
 
     def decorate(main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
@@ -275,7 +277,7 @@ def parse(
             except ConfigError as err:
                 print(f"error: {err}", file=sys.stderr)
                 sys.exit(2)
-            return main(cfg)
+            return finish_process(lambda: main(cfg))
 
         wrapper.config_schema = schema  # type: ignore[attr-defined]  # see load_recipe_config
         return wrapper

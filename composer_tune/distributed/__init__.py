@@ -6,15 +6,25 @@ One code path serves a single CPU process, ``torchrun`` on CPU (gloo) and ``torc
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
+import signal
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
+
+T = TypeVar("T")
+
+# Set once this process starts a gloo process group: see ``finish_process``.
+_started_gloo = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,10 @@ def setup_distributed(device: str) -> DistInfo:
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+        global _started_gloo
+        _started_gloo = _started_gloo or backend == "gloo"
     return DistInfo(world_size=world_size, rank=rank, device=torch_device)
 
 
@@ -87,13 +100,57 @@ def barrier() -> None:
 
 def teardown_distributed() -> None:
     """Leave the process group together: a barrier first, so that no rank destroys the group
-    (closing its gloo connections) while another still has a collective in flight, then
-    destroy it, which joins the backend's worker threads while the interpreter is alive (a
-    process that exits with them running aborts: "terminate called without an active
-    exception")."""
+    (closing its gloo connections) while another still has a collective in flight. Destroying
+    it joins gloo's worker threads only if nothing else holds the group; FSDP2's DeviceMesh
+    does, which is why recipes end through ``finish_process``."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def finish_process(run: Callable[[], T]) -> T:
+    """Returns ``run()``, except in a process that started a gloo group (``setup_distributed``):
+    that process ends here with ``os._exit`` and the status Python would give it (0,
+    ``SystemExit``'s code, or 1 after printing the traceback), output flushed, without
+    finalizing the interpreter.
+
+    Why: PyTorch 2.13's backward pass stashes a Python object in the thread-local state that
+    every collective issued during it copies (pytorch#173568), FSDP2 issues gloo collectives
+    there, and gloo's worker threads release finished work themselves. Those threads outlive
+    ``destroy_process_group`` while any DeviceMesh holds the group, so one may still be
+    releasing such work when the interpreter finalizes: it then cannot take the GIL, exits
+    inside a noexcept destructor, and the process aborts ("terminate called without an active
+    exception"), in about one 2-rank run in ten on a 2-core machine.
+    """
+    try:
+        result = run()
+    except SystemExit as exit_request:
+        if not _started_gloo:
+            raise
+        status = _exit_status(exit_request.code)
+    except BaseException as error:
+        if not _started_gloo:
+            raise
+        sys.excepthook(type(error), error, error.__traceback__)
+        status = 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
+    else:
+        if not _started_gloo:
+            return result
+        status = _exit_status(result)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` gives a process."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def gather_generator_states(generator: torch.Generator, dist_info: DistInfo) -> list[torch.Tensor]:
