@@ -79,15 +79,18 @@ def _rank1() -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its parent has not reaped yet counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
         return False
-    return True
+    return state not in ("Z", "X")
 
 
 def main() -> None:
     setup_distributed("cpu")
+    # Rank 0 hosts the rendezvous store: it must not end before rank 1 has joined the group.
+    dist.barrier()
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(dist.group.WORLD))  # never released
     _rank0() if RANK == 0 else _rank1()
 
