@@ -443,6 +443,7 @@ class GRPORecipe:
                 truncated=micro.truncated,
                 entropy=entropy,
                 normalization=normalization,
+                sampling_logp=micro.sampling_logp,
             )
             loss.backward()
             loss_total += float(loss.detach())

@@ -506,6 +506,7 @@ class ReplayDPORecipe:
                 truncated=micro.truncated,
                 entropy=entropy,
                 normalization=normalization,
+                sampling_logp=micro.sampling_logp,
             )
             loss.backward()
             loss_total += float(loss.detach())

@@ -527,6 +527,7 @@ class SDPORecipe:
                 truncated=micro.truncated,
                 entropy=entropy,
                 normalization=normalization,
+                sampling_logp=micro.sampling_logp,
             )
             if sdpo_cfg.enabled:
                 loss = loss + sdpo_loss

@@ -115,6 +115,10 @@ def test_every_objective_runs(sft_warm_start: RecipeRun, tmp_path: Path) -> None
         "steps_per_generation=2",
         "loss.mask_truncated_completions=true",
     ]
+    variants["sampling_correction_two_iterations"] = [
+        "loss.sampling_correction=token_mask",
+        "num_iterations=2",
+    ]
     for name, overrides in variants.items():
         logged = _run_in_process(
             tmp_path / name,
@@ -130,6 +134,14 @@ def test_every_objective_runs(sft_warm_start: RecipeRun, tmp_path: Path) -> None
         for step in (1, 2):
             assert math.isfinite(logged[step]["loss"]), (name, logged)
             assert 0 < logged[step]["grad_norm"] < math.inf, (name, logged)
+            # The native sampler's log-probs are the trainer's up to rounding: the gap is
+            # logged every step, and the correction's weights are ~1.
+            assert logged[step]["sampling/logp_diff_abs"] < 1e-3, (name, logged)
+            if name == "sampling_correction_two_iterations":
+                assert logged[step]["sampling/weight"] == pytest.approx(1.0, abs=1e-3)
+                assert logged[step]["sampling/past_cap_fraction"] == 0.0
+            else:
+                assert "sampling/weight" not in logged[step], name
         if name in ("kl_loss_two_iterations", "kl_reward_two_steps"):
             # The second step reuses the first step's rollout: its ratio is no longer 1.
             assert logged[2]["ratio/mean"] != 1.0, (name, logged)

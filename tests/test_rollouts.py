@@ -73,6 +73,20 @@ def _rollout(tokenizer, samples, *, seed: int = 0, reference=None, **kwargs) -> 
     )
 
 
+def _the_same_draw(tokenizer, batch: RolloutBatch):
+    """``_rollout``'s draw again (same model and seed), with the sampler's log-probs."""
+    return generate(
+        _model(0),
+        [batch.tokens[row, : int(batch.prompt_lengths[row])].tolist() for row in range(len(batch))],
+        max_new_tokens=MAX_NEW,
+        pad_id=tokenizer.pad_id,
+        temperature=TEMPERATURE,
+        stop_tokens=tokenizer.stop_tokens,
+        generator=torch.Generator().manual_seed(0),
+        return_logprobs=True,
+    )
+
+
 def _naive_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
     """Log-prob of every completion token from full logits, row by row, unpadded."""
     expected = torch.zeros(batch.tokens.shape)
@@ -136,26 +150,22 @@ def test_old_logp_aligned_with_targets(tokenizer, samples) -> None:
     batch = _rollout(tokenizer, samples, forward_batch_size=5, logprob_chunk_size=7)
     torch.testing.assert_close(batch.old_logp, _naive_logprobs(_model(0), batch))
     # The generator's own log-probs of the tokens it drew (KV-cache path, same seed) agree too.
-    prompts = [
-        tokenizer.tokenize_messages(s["prompt"], add_generation_prompt=True, enable_thinking=False)[
-            0
-        ]
-        for s in samples
-        for _ in range(GROUP)
-    ]
-    output = generate(
-        _model(0),
-        prompts,
-        max_new_tokens=MAX_NEW,
-        pad_id=tokenizer.pad_id,
-        temperature=TEMPERATURE,
-        stop_tokens=tokenizer.stop_tokens,
-        generator=torch.Generator().manual_seed(0),
-        return_logprobs=True,
-    )
+    output = _the_same_draw(tokenizer, batch)
     for row, sampled in enumerate(output.logprobs):
         torch.testing.assert_close(batch.old_logp[row][batch.completion_mask[row]], sampled)
     assert batch.ref_logp is None
+
+
+def test_sampling_logp_is_what_the_sampler_reported_in_the_target_frame(tokenizer, samples) -> None:
+    batch = _rollout(tokenizer, samples)
+    output = _the_same_draw(tokenizer, batch)
+    for row, sampled in enumerate(output.logprobs):
+        assert torch.equal(batch.sampling_logp[row][batch.completion_mask[row]], sampled)
+    assert not batch.sampling_logp[~batch.completion_mask].any()
+    # Native engine, float32, no top-k/top-p: the sampler's log-probs are the trainer's up to
+    # kernel rounding (a misaligned frame would be off by whole nats).
+    gap = (batch.sampling_logp - batch.old_logp)[batch.completion_mask].abs().max()
+    assert gap < 1e-4
 
 
 def test_reference_logprobs_only_when_asked(tokenizer, samples) -> None:
@@ -189,6 +199,7 @@ def test_micro_batches_keep_alignment(tokenizer, samples) -> None:
                 temperature=TEMPERATURE,
             )
         torch.testing.assert_close(logp, part.old_logp)
+        assert torch.equal(part.sampling_logp, batch.sampling_logp[row : row + len(part), :width])
         row += len(part)
     with pytest.raises(ValueError, match="micro_batch_size"):
         batch.micro_batches(0)

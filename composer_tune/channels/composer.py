@@ -273,6 +273,7 @@ class ComposerObjective:
                     truncated=micro.truncated,
                     entropy=entropy,
                     normalization=normalization,
+                    sampling_logp=micro.sampling_logp,
                 )
                 loss = loss + channels.policy_weight * policy
                 for name, value in metrics.items():

@@ -26,6 +26,11 @@ worked out by hand:
   ``kl_bias_correction=True`` multiplies the KL term by ``w`` (with its gradient), TRL's
   ``use_bias_correction_kl``; TRL 1.16 turns it on by default, this project does not, and the
   gradient differs even on-policy, where ``w = 1`` in value.
+* ``sampling_correction`` (default off) multiplies the policy term of each token's loss by the
+  truncated importance weight between the trainer's ``old_logp`` and the sampler's own
+  log-probs (TRL's ``vllm_importance_sampling_correction``, before the KL term is added; see
+  :mod:`composer_tune.losses.sampling_correction`). Whenever the sampler's log-probs are given,
+  their gap to the trainer's is logged.
 * Aggregation of the masked token losses:
 
   ============  =====================================================================
@@ -72,6 +77,12 @@ import torch
 from torch import Tensor
 
 from composer_tune.losses.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from composer_tune.losses.sampling_correction import (
+    SAMPLING_CORRECTIONS,
+    SamplingCorrection,
+    sampling_correction_weights,
+    sampling_mismatch_metrics,
+)
 
 Objective = Literal["grpo", "dr_grpo", "bnpo", "dapo", "gspo", "cispo", "sapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -130,6 +141,12 @@ class PolicyLossConfig:
         scale_rewards: advantage normalisation, "group", "batch" or "none".
         max_completion_length: generation length cap; required by dr_grpo's normaliser.
         mask_truncated_completions: exclude completions that hit the length cap from the loss.
+        sampling_correction: None (off), or the truncated importance-sampling mode that
+            reweights each token by ``exp(old_logp - sampling_logp)``: "token_truncate",
+            "token_mask", "sequence_truncate" or "sequence_mask" (TRL's
+            ``vllm_importance_sampling_mode``; TRL 1.16 defaults to "sequence_mask", on).
+        sampling_correction_cap: the bound on that ratio (TRL's
+            ``vllm_importance_sampling_cap``, default 3.0).
     """
 
     objective: Objective = "grpo"
@@ -147,6 +164,8 @@ class PolicyLossConfig:
     scale_rewards: RewardScale | None = None
     max_completion_length: int | None = None
     mask_truncated_completions: bool = False
+    sampling_correction: SamplingCorrection | None = None
+    sampling_correction_cap: float = 3.0
 
     def __post_init__(self) -> None:
         _check_choice("PolicyLossConfig.objective", self.objective, OBJECTIVES)
@@ -220,6 +239,17 @@ class PolicyLossConfig:
             raise ValueError(
                 "PolicyLossConfig.max_completion_length is required for objective 'dr_grpo' "
                 "(its normaliser is batch_size * max_completion_length)"
+            )
+        if self.sampling_correction is not None:
+            _check_choice(
+                "PolicyLossConfig.sampling_correction",
+                self.sampling_correction,
+                SAMPLING_CORRECTIONS,
+            )
+        if not self.sampling_correction_cap > 0.0:
+            raise ValueError(
+                "PolicyLossConfig.sampling_correction_cap must be > 0, got "
+                f"{self.sampling_correction_cap}"
             )
 
     @classmethod
@@ -393,6 +423,7 @@ def policy_loss(
     truncated: Tensor | None = None,
     entropy: Tensor | None = None,
     normalization: StepNormalization | None = None,
+    sampling_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy objective of ``cfg.objective`` on one micro-batch.
 
@@ -423,12 +454,18 @@ def policy_loss(
         is past the bound on the side where the clip binds (low with A < 0, high with A > 0);
         "ratio/mean"; "kl" (when ``ref_logp`` is given); "entropy" (when ``entropy`` is
         given); "advantages/{mean,std,min,max}"; "num_tokens"; "entropy_mask/fraction" (with
-        ``top_entropy_quantile < 1``). With sequence-level ratios the ratio metrics are
-        averaged over sequences (one ratio each), as in TRL.
+        ``top_entropy_quantile < 1``); with ``sampling_logp``, "sampling/logp_diff_abs" and
+        "sampling/ratio" (:func:`sampling_mismatch_metrics`), and with the correction on,
+        "sampling/weight" (mean weight over active tokens) and "sampling/past_cap_fraction"
+        (of the active tokens, or of the sequences in sequence modes, whose ratio exceeds the
+        cap: TRL's "frac_masked" in mask modes). With sequence-level ratios the ratio metrics
+        are averaged over sequences (one ratio each), as in TRL.
     """
     if normalization is not None and num_items_in_batch is not None:
         raise ValueError("policy_loss: pass normalization or num_items_in_batch, not both")
-    mask = _validated_mask(logp, old_logp, advantages, completion_mask, ref_logp, entropy)
+    mask = _validated_mask(
+        logp, old_logp, advantages, completion_mask, ref_logp, entropy, sampling_logp
+    )
     if cfg.mask_truncated_completions:
         if truncated is None:
             raise ValueError(
@@ -441,6 +478,11 @@ def policy_loss(
         raise ValueError(
             f"policy_loss: beta={cfg.beta} with kl_mode='loss' needs ref_logp (the reference "
             "model's log-probabilities)"
+        )
+    if cfg.sampling_correction is not None and sampling_logp is None:
+        raise ValueError(
+            f"policy_loss: sampling_correction={cfg.sampling_correction!r} needs sampling_logp "
+            "(the sampler's log-probabilities of the completion tokens)"
         )
 
     weights = mask.to(logp.dtype)
@@ -468,6 +510,12 @@ def policy_loss(
     if cfg.top_entropy_quantile < 1.0:
         entropy_mask = _high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
         per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
+    correction = None
+    if cfg.sampling_correction is not None:
+        correction = sampling_correction_weights(
+            old_logp, sampling_logp, mask, cfg.sampling_correction, cfg.sampling_correction_cap
+        )
+        per_token_loss = per_token_loss * correction[0].to(per_token_loss.dtype)
     if kl_in_loss:
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         if cfg.kl_bias_correction:
@@ -484,6 +532,15 @@ def policy_loss(
     )
     if entropy_mask is not None:
         metrics["entropy_mask/fraction"] = _masked_mean(entropy_mask.float(), weights)
+    if sampling_logp is not None:
+        metrics.update(sampling_mismatch_metrics(old_logp.detach(), sampling_logp, mask))
+    if correction is not None:
+        correction_weights, past_cap = correction
+        metrics["sampling/weight"] = _masked_mean(correction_weights.detach(), weights)
+        counted = weights if past_cap.shape == weights.shape else (tokens_per_sequence > 0)
+        metrics["sampling/past_cap_fraction"] = _masked_mean(
+            past_cap.float().reshape(counted.shape), counted.float()
+        )
     return loss, metrics
 
 
@@ -508,6 +565,7 @@ def _validated_mask(
     completion_mask: Tensor,
     ref_logp: Tensor | None,
     entropy: Tensor | None,
+    sampling_logp: Tensor | None,
 ) -> Tensor:
     """Check every input's shape against ``logp`` [B, T]; return the mask as bool."""
     if logp.dim() != 2:
@@ -518,6 +576,7 @@ def _validated_mask(
         ("completion_mask", completion_mask),
         ("ref_logp", ref_logp),
         ("entropy", entropy),
+        ("sampling_logp", sampling_logp),
     ):
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(

@@ -62,6 +62,9 @@ class RolloutBatch:
         correct_known: ``bool[N]`` whether the reward judged success for the row (its
             ``RewardResult.correct`` was not None), so consumers such as SDPO's hint selection
             can fall back to a score threshold; None means known for every row.
+        sampling_logp: ``float32[N, T]`` each target's log-prob as the sampler reported it
+            while drawing it (0 off the mask), for the sampler/trainer gap and its correction;
+            None when the sampler gave none.
     """
 
     tokens: Tensor
@@ -79,6 +82,7 @@ class RolloutBatch:
     texts: list[str]
     samples: list[Mapping[str, Any]]
     correct_known: Tensor | None = None
+    sampling_logp: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -94,7 +98,14 @@ class RolloutBatch:
             value = getattr(self, field.name)
             picked[field.name] = value[rows] if value is not None else None
         width = int((picked["prompt_lengths"] + picked["completion_lengths"]).max())
-        for name in ("tokens", "input_pos", "completion_mask", "old_logp", "ref_logp"):
+        for name in (
+            "tokens",
+            "input_pos",
+            "completion_mask",
+            "old_logp",
+            "ref_logp",
+            "sampling_logp",
+        ):
             if picked[name] is not None:
                 picked[name] = picked[name][:, :width]
         return RolloutBatch(**picked)
@@ -274,6 +285,7 @@ def collect_rollouts(
         stop_tokens=tokenizer.stop_tokens,
         generator=generator,
         sync_ranks=sync_ranks,
+        return_logprobs=True,
     )
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
     results = reward(texts, row_samples)
@@ -283,6 +295,10 @@ def collect_rollouts(
     tokens = packed.tokens.to(device)
     input_pos = packed.input_pos.to(device)
     completion_mask = packed.completion_mask.to(device)
+    # The sampler's log-probs, into the target frame: row i's completion tokens are its True
+    # columns of the mask, in order.
+    sampling_logp = torch.zeros(completion_mask.shape, dtype=torch.float32)
+    sampling_logp[packed.completion_mask] = torch.cat(output.logprobs).float()
     logprob_args = {
         "temperature": temperature,
         "chunk_size": logprob_chunk_size,
@@ -316,6 +332,7 @@ def collect_rollouts(
         correct_known=torch.tensor(
             [r.correct is not None for r in results], dtype=torch.bool, device=device
         ),
+        sampling_logp=sampling_logp.to(device),
     )
 
 
