@@ -342,19 +342,24 @@ def test_one_replica_inner_steps_are_composer_full_steps_and_a_skipped_step_keep
     assert sorted(diloco) == sorted(full) == [0, 1, 2]
 
     def comparable(metrics: dict[str, float], step: int) -> dict[str, float]:
-        # Not timings, not DiLoCo's own metrics, and not the final evaluation (composer_full
-        # scores its local weights, DiLoCo the global ones after the sync).
+        # Not timings, not DiLoCo's own metrics, not the final evaluation (composer_full
+        # scores its local weights, DiLoCo the global ones after the sync), and not the
+        # sampler/trainer gap: the two processes' KV-cache decoding rounds the sampler's
+        # log-probs differently (measured 5.0e-7 vs 5.4e-7 mean gap), while every trained value
+        # is the same bit for bit.
         return {
             k: v
             for k, v in metrics.items()
             if k not in TIMING_METRICS
-            and not k.startswith("diloco/")
+            and not k.startswith(("diloco/", "sampling/"))
             and not (step == 2 and k.startswith("eval/"))
         }
 
     for step in (0, 1, 2):
         got, expected = comparable(diloco[step], step), comparable(full[step], step)
         assert same_values(got, expected), (step, got, expected)
+    for name in ("sampling/logp_diff_abs", "sampling/ratio"):
+        assert diloco[1][name] == pytest.approx(full[1][name], abs=1e-5), name
     assert diloco[1]["sdpo/valid_tokens"] > 0 and 0 < diloco[1]["dpo/loss"] < math.inf
     assert math.isnan(diloco[2]["loss"]) and diloco[2]["skipped_nonfinite_steps"] == 1
     # The skipped step kept its place in the window: the sync came after inner step 2 and
