@@ -40,7 +40,7 @@ which recipes/diloco.py's inner loop uses too.
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rollout.engines import RolloutSection, build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
@@ -125,6 +126,8 @@ class ComposerFullConfig(config.TrainingConfig):
     eval_max_new_tokens: int = 16
     # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     # Channel 2: an SDPOChannelConfig mapping (weight, context, loss, teacher, ema_rate);
     # null or weight 0 is off.
     sdpo: Any = None
@@ -231,6 +234,7 @@ class ComposerFullRecipe:
         )
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
+        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)
@@ -400,6 +404,8 @@ class ComposerFullRecipe:
                         reference=self.reference if self.channels.kl_reference else None,
                         compute_old_logp=self.channels.needs_old_logp(self._on_policy()),
                         sync_ranks=self.dist.is_distributed,
+                        engine=self.engine,
+                        policy_version=self.step,
                     )
                     batch_metrics = rollout_metrics(rollout)
                 # 2. Channel 1: group-relative advantages (after the KL penalty, in kl_mode=reward).
@@ -620,6 +626,8 @@ class ComposerFullRecipe:
             self.metric_logger.log_dict(metrics, step=self.step)
 
     def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         teardown_distributed()

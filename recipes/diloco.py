@@ -115,6 +115,7 @@ from composer_tune.guards import NonFiniteGuard
 from composer_tune.losses.distill import EMATeacher
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rollout.engines import RolloutSection, build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
@@ -160,6 +161,8 @@ class DiLoCoRecipeConfig(config.TrainingConfig):
     # NaN/inf losses skip the step (it still counts toward the sync window); this many in a row
     # stop the replica (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     # Channel 2: an SDPOChannelConfig mapping (weight, context, loss, teacher, ema_rate);
     # null or weight 0 is off.
     sdpo: Any = None
@@ -297,6 +300,7 @@ class DiLoCoRecipe:
         )
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
+        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)
@@ -500,6 +504,8 @@ class DiLoCoRecipe:
                         reference=self.reference if self.channels.kl_reference else None,
                         compute_old_logp=self.channels.needs_old_logp(self._on_policy()),
                         sync_ranks=self.dist.is_distributed,
+                        engine=self.engine,
+                        policy_version=None,  # the outer sync and healing change weights too
                     )
                     batch_metrics = rollout_metrics(rollout)
                 # 2. Channel 1: group-relative advantages (after the KL penalty, kl_mode=reward).
@@ -781,6 +787,8 @@ class DiLoCoRecipe:
             self.metric_logger.log_dict(metrics, step=self.step)
 
     def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         teardown_distributed()

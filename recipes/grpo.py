@@ -20,7 +20,7 @@ composer_tune/.
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from composer_tune.losses import (
 )
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rollout.engines import RolloutSection, build_rollout_engine
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
     rollout_metrics,
@@ -110,6 +111,8 @@ class GRPOConfig(config.TrainingConfig):
     eval_max_new_tokens: int = 16
     # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
 class GRPORecipe:
@@ -178,6 +181,7 @@ class GRPORecipe:
             self._restore(resume_path)
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
+        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)
@@ -404,6 +408,8 @@ class GRPORecipe:
             reference=self.reference,
             compute_old_logp=not self._on_policy() or kl_in_reward(self.loss_cfg),
             sync_ranks=self.dist.is_distributed,
+            engine=self.engine,
+            policy_version=self.step,
         )
 
     def _on_policy(self) -> bool:
@@ -517,6 +523,8 @@ class GRPORecipe:
             self.metric_logger.log_dict(metrics, step=self.step)
 
     def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         teardown_distributed()

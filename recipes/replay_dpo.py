@@ -32,7 +32,7 @@ composer_tune/ (channel-3 glue: composer_tune/channels/replay_dpo.py).
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ from composer_tune.losses import (
 )
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rollout.engines import RolloutSection, build_rollout_engine
 from composer_tune.rollout.rollouts import (
     RolloutBatch,
     rollout_metrics,
@@ -127,6 +128,8 @@ class ReplayDPOConfig(config.TrainingConfig):
     eval_max_new_tokens: int = 16
     # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     # Channel 3: a DPOChannelConfig mapping (weight, pairs, pairs_per_step, loss_type, beta,
     # label_smoothing, reference, max_seq_len, heldout_fraction, ...); null or weight 0 is A1.
     dpo: Any = None
@@ -220,6 +223,7 @@ class ReplayDPORecipe:
         )
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
+        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)
@@ -467,6 +471,8 @@ class ReplayDPORecipe:
             reference=self.reference if needs_reference_model(self.loss_cfg) else None,
             compute_old_logp=not self._on_policy() or kl_in_reward(self.loss_cfg),
             sync_ranks=self.dist.is_distributed,
+            engine=self.engine,
+            policy_version=self.step,
         )
 
     def _on_policy(self) -> bool:
@@ -612,6 +618,8 @@ class ReplayDPORecipe:
             self.metric_logger.log_dict(metrics, step=self.step)
 
     def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         teardown_distributed()

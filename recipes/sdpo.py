@@ -90,6 +90,7 @@ from composer_tune.losses import (
 )
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rollout.engines import RolloutSection, build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest, print_stopped
 
@@ -131,6 +132,8 @@ class SDPOConfig(config.TrainingConfig):
     eval_max_new_tokens: int = 16
     # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     # Channel 2: weight (0 = off), teacher context (hints), divergence, teacher (current / ema).
     sdpo: SDPOChannelConfig = field(default_factory=SDPOChannelConfig)
 
@@ -209,6 +212,7 @@ class SDPORecipe:
             self._restore(resume_path)
         # Last, once the config and inputs are validated: a start that fails writes no log
         # or config record into output_dir.
+        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)
@@ -458,6 +462,8 @@ class SDPORecipe:
             reference=self.reference,
             compute_old_logp=self._needs_old_logp(),
             sync_ranks=self.dist.is_distributed,
+            engine=self.engine,
+            policy_version=self.step,
         )
 
     def _on_policy(self) -> bool:
@@ -614,6 +620,8 @@ class SDPORecipe:
             self.metric_logger.log_dict(metrics, step=self.step)
 
     def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.metric_logger is not None:
             self.metric_logger.close()
         teardown_distributed()

@@ -12,7 +12,7 @@ RL recipe adds around ``composer_tune.losses.policy`` so that A1-A4 and DiLoCo s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -27,6 +27,9 @@ from composer_tune.losses import (
     compute_advantages,
 )
 from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts
+
+if TYPE_CHECKING:
+    from composer_tune.rollout.vllm_engine import VLLMEngine
 
 
 def kl_in_reward(loss_cfg: PolicyLossConfig) -> bool:
@@ -46,12 +49,21 @@ def sample_rollouts(
     reference: nn.Module | None,
     compute_old_logp: bool,
     sync_ranks: bool,
+    engine: VLLMEngine | None = None,
+    policy_version: int | None = None,
 ) -> RolloutBatch:
     """``cfg.group_size`` completions per prompt of ``samples``, scored. ``cfg`` is the recipe
     config (its sampling keys: group_size, max_new_tokens, temperature, top_k, top_p,
     enable_thinking, logprob_chunk_size, micro_batch_size); ``reference`` (None: none) adds
-    reference log-probs for a KL term; ``compute_old_logp`` the sampling policy's."""
-    return collect_rollouts(
+    reference log-probs for a KL term; ``compute_old_logp`` the sampling policy's.
+
+    With a vLLM ``engine`` (``build_rollout_engine``), ``model``'s weights are pushed into it
+    first unless it already holds ``policy_version`` (the optimiser step they come from; None:
+    always push), and
+    the engine sleeps afterwards where its settings say so (GPU sleep mode)."""
+    if engine is not None:
+        engine.sync_weights(model, policy_version)
+    rollout = collect_rollouts(
         model,
         tokenizer,
         samples,
@@ -68,7 +80,11 @@ def sample_rollouts(
         forward_batch_size=cfg.micro_batch_size,
         sync_ranks=sync_ranks,
         compute_old_logp=compute_old_logp,
+        engine=engine,
     )
+    if engine is not None:
+        engine.sleep()
+    return rollout
 
 
 def group_advantages(

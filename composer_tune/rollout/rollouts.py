@@ -1,7 +1,7 @@
 """Group rollouts for GRPO-family training: sample, score, pack, and compute old log-probs.
 
 For a batch of prompts (dataset samples), :func:`collect_rollouts` samples ``group_size``
-completions per prompt with the KV-cache generator, scores the decoded texts with a verifiable
+completions per prompt with the KV-cache generator (or a vLLM engine), scores the decoded texts with a verifiable
 reward, packs prompt + completion rows into one right-padded batch, and recomputes the sampling
 policy's per-token log-probabilities with a no-grad chunked forward (plus a frozen reference
 model's, when one is given). The result is a :class:`RolloutBatch`.
@@ -230,6 +230,7 @@ def collect_rollouts(
     forward_batch_size: int | None = None,
     sync_ranks: bool = False,
     compute_old_logp: bool = True,
+    engine: Any = None,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each of ``samples``, score and pack them.
 
@@ -254,6 +255,9 @@ def collect_rollouts(
         compute_old_logp: run the no-grad forward that fills ``old_logp``; off-policy steps
             (several per generation batch) and KL-in-reward need it, a single on-policy step
             does not.
+        engine: a :class:`~composer_tune.rollout.vllm_engine.VLLMEngine` holding the policy's
+            current weights samples the completions instead of ``policy`` (None: the native
+            KV-cache loop); ``generator`` then seeds each batch.
 
     Returns:
         A :class:`RolloutBatch` of ``len(samples) * group_size`` rows, on the policy's device.
@@ -274,19 +278,25 @@ def collect_rollouts(
     prompts = encode_prompts(tokenizer, samples, enable_thinking=enable_thinking)
     row_prompts = [prompt for prompt in prompts for _ in range(group_size)]
     row_samples = [sample for sample in samples for _ in range(group_size)]
-    output = generate(
-        policy,
-        row_prompts,
-        max_new_tokens=max_new_tokens,
-        pad_id=tokenizer.pad_id,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tokenizer.stop_tokens,
-        generator=generator,
-        sync_ranks=sync_ranks,
-        return_logprobs=True,
-    )
+    sampling = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "stop_tokens": tokenizer.stop_tokens,
+        "generator": generator,
+    }
+    if engine is not None:
+        output = engine.generate(row_prompts, **sampling)
+    else:
+        output = generate(
+            policy,
+            row_prompts,
+            pad_id=tokenizer.pad_id,
+            sync_ranks=sync_ranks,
+            return_logprobs=True,
+            **sampling,
+        )
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
     results = reward(texts, row_samples)
 

