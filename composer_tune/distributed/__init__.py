@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,8 +130,10 @@ def finish_process(run: Callable[[], T]) -> T:
     except BaseException as error:
         if not _started_gloo:
             raise
+        from composer_tune.stop import STOPPED_EXIT_CODE  # stop imports this module
+
         sys.excepthook(type(error), error, error.__traceback__)
-        status = 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
+        status = STOPPED_EXIT_CODE if isinstance(error, KeyboardInterrupt) else 1
     else:
         if not _started_gloo:
             return result
