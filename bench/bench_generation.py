@@ -1,11 +1,14 @@
-"""Tokens/s of ``composer_tune.rollout.generate`` against ``transformers``' ``generate``.
+"""Rollout tokens/s of the native engine (``composer_tune.rollout.generate``), ``transformers``'
+``generate`` and, when it is installed, the vLLM engine (``rollout.engine: vllm``).
 
-Both run the same random Qwen3 weights (ours saved as a Hugging Face checkpoint and loaded with
-``AutoModelForCausalLM``), the same left-padded prompts of different lengths, and produce
-exactly ``--new-tokens`` tokens per row (no stop token). Greedy runs also report how many rows
-the two implementations decode identically, a cross-check of the KV-cache and padding logic.
+All run the same weights (random Qwen3 presets, or SmolLM2-135M-Instruct's real ones; saved as
+a Hugging Face checkpoint for ``AutoModelForCausalLM``, pushed from our model into vLLM), the
+same prompts of different lengths, and produce exactly ``--new-tokens`` tokens per row (no stop
+token). Greedy runs also report how many rows each peer decodes identically to ours, a
+cross-check of the KV-cache and padding logic.
 
     .venv/bin/python bench/bench_generation.py --batch-sizes 8 32 --new-tokens 64
+    .venv/bin/python bench/bench_generation.py --preset smollm2 --batch-sizes 64 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -20,13 +23,27 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from composer_tune.checkpointing import save_hf_checkpoint
+from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+from composer_tune.checkpointing.hf_checkpoint import load_decoder_from_hf
+from composer_tune.distributed import DistInfo
 from composer_tune.models import qwen3_tiny
 from composer_tune.rollout import generate
+from composer_tune.rollout.engines import VLLMSection, vllm_available
 
 # Keyword arguments of qwen3_tiny; "small" is closer to real per-token costs (bigger matmuls,
 # a larger vocabulary for the sampling step).
 PRESETS = {
-    "tiny": {"vocab_size": 512},
+    # recipes/configs/grpo/cpu_smoke.yaml's model (head_dim 32: vLLM's CPU attention has no
+    # kernel for qwen3_tiny's default 16).
+    "tiny": {
+        "vocab_size": 994,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 128,
+        "intermediate_dim": 384,
+        "head_dim": 32,
+    },
     "small": {
         "vocab_size": 8192,
         "num_layers": 4,
@@ -36,6 +53,17 @@ PRESETS = {
         "intermediate_dim": 768,
         "head_dim": 32,
     },
+    # Qwen3-0.6B's layer shape and vocabulary, 4 of its 28 layers.
+    "qwen3-0.6b-4l": {
+        "vocab_size": 151_936,
+        "num_layers": 4,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "embed_dim": 1024,
+        "intermediate_dim": 3072,
+        "head_dim": 128,
+    },
+    "smollm2": None,  # SmolLM2-135M-Instruct's real weights (the README's set-up installs it)
 }
 PAD_ID = 0
 
@@ -90,23 +118,34 @@ def main() -> None:
     # One thread by default: on a shared machine, OpenMP workers waiting on each other swamp
     # the small kernels of a tiny model and make timings meaningless.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (both models on it)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every engine on it)")
+    parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM engine out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    # A wide init keeps greedy decoding away from near-ties, so the cross-check is meaningful.
-    model = qwen3_tiny(initializer_range=0.5, **PRESETS[args.preset]).eval()
+    if args.preset == "smollm2":
+        model = load_decoder_from_hf(smollm2_checkpoint()).eval()
+    else:
+        # A wide init keeps greedy decoding away from near-ties: the cross-check means more.
+        preset = PRESETS[args.preset]
+        model = qwen3_tiny(initializer_range=0.5, max_seq_len=1024, **preset).eval()
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         save_hf_checkpoint(model.state_dict(), model.config, checkpoint_dir)
         hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
     model.to(args.device)
     hf_model.to(args.device)
-    vocab = PRESETS[args.preset]["vocab_size"]
+    engine = None
+    if vllm_available() and not args.no_vllm:
+        from composer_tune.rollout.vllm_engine import VLLMEngine
+
+        dist_info = DistInfo(world_size=1, rank=0, device=torch.device(args.device))
+        engine = VLLMEngine(model, dist_info, VLLMSection(), run_dtype="fp32", seed=0)
+    vocab = model.config.vocab_size
     print(
         f"preset={args.preset} params={sum(p.numel() for p in model.parameters()):,} "
         f"prompt<= {args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()} "
-        f"device={args.device}"
+        f"device={args.device} vllm={'yes' if engine else 'no'}"
     )
     modes = {
         "greedy": ({"greedy": True}, {"do_sample": False}),
@@ -115,7 +154,10 @@ def main() -> None:
             {"do_sample": True, "temperature": 1.0, "top_p": 0.9, "top_k": None},
         ),
     }
-    print(f"{'mode':<7}{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>12}{'speed-up':>10}  rows equal")
+    print(
+        f"{'mode':<7}{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>10}{'vLLM tok/s':>12}"
+        f"{'HF/ours':>9}{'vLLM/ours':>11}  rows equal (HF, vLLM)"
+    )
     for batch in args.batch_sizes:
         prompts = [
             torch.randint(
@@ -124,29 +166,43 @@ def main() -> None:
             for _ in range(batch)
         ]
         for mode, (ours_kwargs, hf_kwargs) in modes.items():
-            (ours_time, hf_time), (ours_out, hf_out) = _best_times(
-                [
+            runs = [
+                functools.partial(
+                    generate,
+                    model,
+                    prompts,
+                    max_new_tokens=args.new_tokens,
+                    pad_id=PAD_ID,
+                    **ours_kwargs,
+                ),
+                functools.partial(_hf_generate, hf_model, prompts, args.new_tokens, hf_kwargs),
+            ]
+            if engine is not None:
+                vllm_kwargs = {"temperature": 0.0} if mode == "greedy" else ours_kwargs
+                runs.append(
                     functools.partial(
-                        generate,
-                        model,
-                        prompts,
-                        max_new_tokens=args.new_tokens,
-                        pad_id=PAD_ID,
-                        **ours_kwargs,
-                    ),
-                    functools.partial(_hf_generate, hf_model, prompts, args.new_tokens, hf_kwargs),
-                ],
-                args.repeats,
-            )
+                        engine.generate, prompts, max_new_tokens=args.new_tokens, **vllm_kwargs
+                    )
+                )
+            times, outputs = _best_times(runs, args.repeats)
             total = batch * args.new_tokens
+            rates = [total / seconds for seconds in times] + [None] * (3 - len(times))
             equal = "-"
             if mode == "greedy":
-                same = sum(a == b for a, b in zip(ours_out.completions, hf_out, strict=True))
-                equal = f"{same}/{batch}"
+                ours = outputs[0].completions
+                peers = [outputs[1], *(out.completions for out in outputs[2:])]
+                equal = ", ".join(
+                    f"{sum(a == b for a, b in zip(ours, peer, strict=True))}/{batch}"
+                    for peer in peers
+                )
+            vllm_rate = f"{rates[2]:>12.0f}" if rates[2] else f"{'-':>12}"
+            vllm_ratio = f"{rates[2] / rates[0]:>10.2f}x" if rates[2] else f"{'-':>11}"
             print(
-                f"{mode:<7}{batch:>6}{total / ours_time:>12.0f}{total / hf_time:>12.0f}"
-                f"{hf_time / ours_time:>9.2f}x  {equal}"
+                f"{mode:<7}{batch:>6}{rates[0]:>12.0f}{rates[1]:>10.0f}{vllm_rate}"
+                f"{rates[1] / rates[0]:>8.2f}x{vllm_ratio}  {equal}"
             )
+    if engine is not None:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -56,9 +56,15 @@ def test_generation_bench_prints_its_table() -> None:
         "bench_generation.py",
         *("--batch-sizes", "2", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1"),
     )
-    assert re.search(r"mode\s+batch\s+ours tok/s\s+HF tok/s\s+speed-up\s+rows equal", out)
-    assert re.search(r"^greedy\s+2\s+\d+\s+\d+\s+[\d.]+x\s+\d/2$", out, re.M), out
-    assert re.search(r"^sample\s+2\s+\d+\s+\d+\s+[\d.]+x\s+-$", out, re.M), out
+    header = r"mode\s+batch\s+ours tok/s\s+HF tok/s\s+vLLM tok/s\s+HF/ours\s+vLLM/ours"
+    assert re.search(header + r"\s+rows equal \(HF, vLLM\)", out), out
+    # vLLM is installed by the README's set-up: its column is filled and it decodes greedily
+    # exactly as ours does.
+    assert "vllm=yes" in out
+    assert re.search(r"^greedy\s+2\s+\d+\s+\d+\s+\d+\s+[\d.]+x\s+[\d.]+x\s+2/2, 2/2$", out, re.M), (
+        out
+    )
+    assert re.search(r"^sample\s+2\s+\d+\s+\d+\s+\d+\s+[\d.]+x\s+[\d.]+x\s+-$", out, re.M), out
 
 
 def test_rl_step_bench_prints_phases_per_variant() -> None:

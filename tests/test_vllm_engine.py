@@ -7,6 +7,10 @@ engine per model is started per module (~10 s each on 2 cores).
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,6 +241,31 @@ def test_an_engine_that_cannot_start_says_why(model_kwargs, section, cause) -> N
         VLLMEngine(model, CPU, section, run_dtype="fp32", seed=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["engine_per_rank", "shared_engine"])
+def test_under_torchrun_each_rank_samples_its_prompts_from_the_sharded_policy(
+    tmp_path: Path, tensor_parallel_size: int
+) -> None:
+    """2 gloo ranks, FSDP2-sharded policy; vLLM's external launcher on the trainer's group."""
+    command = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+        str(REPO_ROOT / "tests" / "_vllm_torchrun_worker.py"),
+        str(tmp_path),
+        str(tensor_parallel_size),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [result["rows"] for result in ranks] == [2, 3]  # each rank gets its own rows back
+    for result in ranks:
+        assert result["greedy_equal"], result
+        assert result["gap_at_start"] <= LOGPROB_TOLERANCE, result
+        assert result["gap_without_push"] > 10 * LOGPROB_TOLERANCE, result
+        assert result["gap_after_push"] <= LOGPROB_TOLERANCE, result
+
+
 class _Config:
     def __init__(self, engine: str) -> None:
         self.rollout = RolloutSection(engine=engine)
@@ -248,9 +277,10 @@ def test_the_builder_names_a_bad_engine_and_keeps_native_engine_free() -> None:
     assert build_rollout_engine(_Config("native"), model, CPU, step=0) is None
     with pytest.raises(ValueError, match=r"rollout.engine must be one of \['native', 'vllm'\]"):
         build_rollout_engine(_Config("sglang"), model, CPU, step=0)
-    two_ranks = DistInfo(world_size=2, rank=0, device=torch.device("cpu"))
-    with pytest.raises(RolloutEngineError, match="single-process"):
-        build_rollout_engine(_Config("vllm"), model, two_ranks, step=0)
+    shared = _Config("vllm")
+    shared.rollout.vllm.tensor_parallel_size = 2
+    with pytest.raises(RolloutEngineError, match=r"tensor_parallel_size \(2\) must divide"):
+        build_rollout_engine(shared, model, CPU, step=0)
 
 
 def test_missing_vllm_is_named_with_the_extra_to_install(monkeypatch) -> None:

@@ -18,7 +18,7 @@ from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.rollout.engines import RolloutEngineError
 from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
 from recipes.grpo import GRPOConfig, GRPORecipe
-from tests.recipe_runs import RecipeRun
+from tests.recipe_runs import RecipeRun, run_tune
 from tests.test_composer_full_recipe import FULL_MECHANICS, logged_metrics, run_in_process
 from tests.test_grpo_recipe import QUICK as GRPO_QUICK
 
@@ -117,3 +117,26 @@ def test_composer_full_trains_all_channels_from_vllm_rollouts(tmp_path: Path) ->
         assert logged[step]["sampling/logp_diff_abs"] < SYNCED_GAP, logged[step]
         assert logged[step]["sdpo/valid_tokens"] > 0, logged[step]
         assert math.isfinite(logged[step]["dpo/loss"]), logged[step]
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["engine_per_rank", "shared_engine"])
+def test_grpo_under_torchrun_samples_from_the_sharded_policy(
+    sft_warm_start: RecipeRun, tmp_path: Path, tensor_parallel_size: int
+) -> None:
+    """FSDP2 on 2 ranks: the full weights are gathered into each rank's (or the shared)
+    engine after every step."""
+    output_dir = tmp_path / "fsdp"
+    result = run_tune(
+        *("--nproc_per_node", "2", "recipes/grpo.py", "--config", "cpu_smoke"),
+        f"output_dir={output_dir}",
+        f"warm_start.output_dir={sft_warm_start.output_dir}",
+        *QUICK,
+        "max_steps=2",
+        f"rollout.vllm.tensor_parallel_size={tensor_parallel_size}",
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    logged = logged_metrics(output_dir)
+    for step in (1, 2):
+        assert logged[step]["sampling/logp_diff_abs"] < SYNCED_GAP, logged[step]
+        assert logged[step]["grad_norm"] > 0, logged[step]
+    assert latest_checkpoint(output_dir).name == "step_0000002"

@@ -101,7 +101,9 @@ def build_plan(ns: argparse.Namespace) -> memory.ConfigPlan:
     """The plan the command line describes (config + overrides + flags)."""
     flags = {field: getattr(ns, flag) for flag, field in PLAN_FLAGS.items()}
     if ns.config is not None:
-        return memory.plan_from_config(read_config(ns), world_size=ns.world_size, **flags)
+        return memory.plan_from_config(
+            read_config(ns), world_size=ns.world_size, gpu_gib=ns.gpu_gib, **flags
+        )
     if ns.overrides:
         raise ValueError(f"key=value overrides {ns.overrides} need --config")
     if ns.seq_len is None:  # the model's max_seq_len (40960) would be a useless default

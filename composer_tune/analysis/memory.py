@@ -195,6 +195,12 @@ class MemoryPlan:
         prompt_len: longest prompt of a rollout batch (tokens).
         completion_len: ``max_new_tokens`` of a rollout.
         prefill_chunk: prompt tokens per prefill forward (``composer_tune.rollout.generate``).
+        rollout_engine: "native" (the KV-cache loop, its memory estimated component by
+            component) or "vllm" (a colocated vLLM engine holding ``engine_gib``).
+        engine_gib: the vLLM engine's reservation per GPU (``rollout.vllm.gpu_memory_utilization``
+            times the GPU's memory: its weights, activations and KV cache).
+        engine_sleeps: ``rollout.vllm.enable_sleep_mode``: the engine frees its reservation
+            while the trainer steps, so it counts in the rollout phase only.
     """
 
     world_size: int = 1
@@ -217,6 +223,9 @@ class MemoryPlan:
     prompt_len: int = 0
     completion_len: int = 0
     prefill_chunk: int = 256
+    rollout_engine: str = "native"
+    engine_gib: float = 0.0
+    engine_sleeps: bool = False
 
     def __post_init__(self) -> None:
         positive = ("world_size", "micro_batch_size", "seq_len", "logprob_chunk_size")
@@ -237,6 +246,14 @@ class MemoryPlan:
             raise ValueError(
                 f"MemoryPlan.optimizer_impl must be one of {OPTIMIZER_IMPLS}, "
                 f"got {self.optimizer_impl!r}"
+            )
+        if self.rollout_engine not in ("native", "vllm"):
+            raise ValueError(
+                f"MemoryPlan.rollout_engine must be 'native' or 'vllm', got {self.rollout_engine!r}"
+            )
+        if self.rollout_engine == "vllm" and not self.engine_gib > 0:
+            raise ValueError(
+                f"MemoryPlan: a vLLM engine needs engine_gib > 0, got {self.engine_gib}"
             )
         if self.rollout_batch_size and self.prompt_len + self.completion_len < 1:
             raise ValueError(
@@ -269,7 +286,8 @@ class MemoryEstimate:
     components: list[Component] = field(default_factory=list)
 
     def phases(self) -> tuple[str, ...]:
-        return ALL_PHASES if self.plan.rollout_batch_size else TRAINING_PHASES
+        has_rollout = self.plan.rollout_batch_size or self.plan.rollout_engine == "vllm"
+        return ALL_PHASES if has_rollout else TRAINING_PHASES
 
     def phase_bytes(self, phase: str) -> int:
         """Device bytes alive in ``phase``."""
@@ -319,6 +337,7 @@ KV_CACHE = "rollout KV cache"
 ROLLOUT_ATTENTION = "rollout attention (GQA expand, mask)"
 ROLLOUT_LOGITS = "rollout logits + sampling"
 ROLLOUT_PREFILL = "rollout prefill activations"
+VLLM_ENGINE = "vLLM engine (weights, KV cache)"
 
 
 def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
@@ -427,7 +446,12 @@ def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
         step_temp = 0
     add(Component(OPTIMIZER_TEMP, step_temp, (OPTIMIZER_STEP,), offload))
 
-    if plan.rollout_batch_size:
+    if plan.rollout_engine == "vllm":
+        # vLLM reserves its share up front; asleep, it holds (almost) nothing while training.
+        alive = (ROLLOUT,) if plan.engine_sleeps else ALL_PHASES
+        detail = "gpu_memory_utilization x GPU" + ("; sleeps while training" * plan.engine_sleeps)
+        add(Component(VLLM_ENGINE, int(plan.engine_gib * GIB), alive, detail=detail))
+    elif plan.rollout_batch_size:
         _add_rollout(est, args, plan, e)
     return est
 
@@ -630,7 +654,9 @@ def model_args_from_config(cfg: DictConfig) -> DecoderArgs:
     return args
 
 
-def plan_from_config(cfg: DictConfig, *, world_size: int | None = None, **flags: Any) -> ConfigPlan:
+def plan_from_config(
+    cfg: DictConfig, *, world_size: int | None = None, gpu_gib: float = 79.2, **flags: Any
+) -> ConfigPlan:
     """Reads a recipe config into a :class:`ConfigPlan`.
 
     Plan values come from, in order: ``flags`` (MemoryPlan field names; None means not given),
@@ -639,9 +665,12 @@ def plan_from_config(cfg: DictConfig, *, world_size: int | None = None, **flags:
     forward; a rollout of ``num_prompts_per_generation / world_size * group_size`` rows whose
     prompts fill the model's ``max_seq_len`` less the completion (no config states a prompt
     length); training sequences of prompt + completion (else ``max_seq_len``); a reference model
-    when ``beta > 0``; an EMA teacher when ``sdpo.teacher`` is ``ema``.
+    when ``beta > 0``; an EMA teacher when ``sdpo.teacher`` is ``ema``. With
+    ``rollout.engine: vllm`` the engine holds ``rollout.vllm.gpu_memory_utilization`` of
+    ``gpu_gib`` (the GPU's memory).
     """
     from composer_tune.config import TrainingConfig
+    from composer_tune.rollout.engines import VLLMSection
     from composer_tune.rollout.generation import DEFAULT_PREFILL_CHUNK
 
     args = model_args_from_config(cfg)
@@ -718,5 +747,12 @@ def plan_from_config(cfg: DictConfig, *, world_size: int | None = None, **flags:
     take("optimizer_states", states, source)
     take("optimizer_impl", impl, f"optimizer settings, device {device}")
     take("prefill_chunk", DEFAULT_PREFILL_CHUNK, "default: rollout.generation prefill chunk")
+    engine = OmegaConf.select(cfg, "rollout.engine", default=None)
+    take("rollout_engine", engine or "native", "config rollout.engine" if engine else "default")
+    if engine == "vllm":
+        vllm = VLLMSection(**OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True))
+        share = f"{vllm.gpu_memory_utilization} x {gpu_gib} GiB"
+        take("engine_gib", vllm.gpu_memory_utilization * gpu_gib, f"rollout.vllm: {share}")
+        take("engine_sleeps", vllm.enable_sleep_mode, "config rollout.vllm.enable_sleep_mode")
     plan = MemoryPlan(**values)
     return ConfigPlan(args=args, plan=plan, sources=sources)

@@ -37,7 +37,9 @@ class VLLMSection:
             KV cache and activations); the trainer has the rest.
         enable_sleep_mode: GPU only: the engine frees its KV cache and offloads its weights
             while the trainer steps (``LLM.sleep``/``wake_up``).
-        tensor_parallel_size: GPUs per engine (> 1 for a model one GPU cannot serve).
+        tensor_parallel_size: ranks per engine (> 1 for a model one GPU cannot serve); it
+            must divide the torchrun world size. Each group of that many consecutive ranks
+            shares one engine and samples its ranks' prompts together.
         enforce_eager: no CUDA graphs in the engine (faster start, slower decoding).
     """
 
@@ -88,10 +90,12 @@ def build_rollout_engine(
         raise ValueError(f"rollout.engine must be one of {list(ENGINES)}, got {section.engine!r}")
     if section.engine == "native":
         return None
-    if dist_info.is_distributed:
+    tp = section.vllm.tensor_parallel_size
+    if tp < 1 or dist_info.world_size % tp:
         raise RolloutEngineError(
-            "rollout.engine=vllm runs in single-process runs so far; under torchrun use "
-            "rollout.engine=native (per-rank engines are the open part of issue 16)"
+            f"rollout.vllm.tensor_parallel_size ({tp}) must divide the number of ranks "
+            f"({dist_info.world_size}): each group of that many ranks serves one engine "
+            "(launch with torchrun for tensor parallelism)"
         )
     from composer_tune.rollout.vllm_engine import VLLMEngine
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -61,6 +62,44 @@ def _full_hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             value = value.full_tensor()
         state[key] = value.detach()
     return list(decoder_to_hf_state_dict(state, model.config).items())
+
+
+def _remove_cpu_shm_segments(ranks: list[int]) -> None:
+    """Unlinks the shared-memory segments vLLM's CPU tensor parallelism keeps for the group
+    ``ranks``. Under an external launcher vLLM names them after the group's ranks alone, and a
+    process that ends with ``os._exit`` (``finish_process``) or is killed leaves them behind,
+    where they stop the next run's engine from starting ("create shm ... errno: 17")."""
+    marker = f"-[{'-'.join(str(rank) for rank in ranks)}]-cpushm_"
+    shm = Path("/dev/shm")
+    for segment in shm.iterdir() if shm.is_dir() else ():
+        if marker in segment.name:
+            segment.unlink(missing_ok=True)
+
+
+def _tensor_parallel_group(dist_info: DistInfo, size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks (vLLM's tensor-parallel layout), or
+    None when every rank has an engine of its own. Collective: every rank creates every group."""
+    if size == 1:
+        return None
+    mine = None
+    for first in range(0, dist_info.world_size, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= dist_info.rank < first + size:
+            mine = group
+    return mine
+
+
+def _gather_for_group(
+    group: Any, prompts: list[list[int]], seed: int | None
+) -> tuple[list[list[int]], slice, int | None]:
+    """Every rank's prompts of ``group`` in rank order, the slice that holds this rank's, and
+    the group's first rank's seed (collective over ``group``)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (prompts, seed), group=group)
+    position = dist.get_rank(group)
+    start = sum(len(rank_prompts) for rank_prompts, _ in gathered[:position])
+    every = [prompt for rank_prompts, _ in gathered for prompt in rank_prompts]
+    return every, slice(start, start + len(prompts)), gathered[0][1]
 
 
 class VLLMEngine:
@@ -108,6 +147,8 @@ class VLLMEngine:
                 f"rollout.vllm.max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_seq_len ({self.model_args.max_seq_len})"
             )
+        self._group: Any = None  # this rank's tensor-parallel group (None: engine of its own)
+        self._on_gpu = dist_info.device.type == "cuda"
         self._staging = tempfile.TemporaryDirectory(prefix="composer_tune_vllm_")
         staging = Path(self._staging.name)
         config = hf_config_from_decoder_args(self.model_args, _DTYPES[dtype_name])
@@ -132,8 +173,14 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": section.tensor_parallel_size,
         }
-        on_gpu = dist_info.device.type == "cuda"
-        if on_gpu:
+        if dist_info.is_distributed:
+            # One engine per rank, or per group of tensor_parallel_size consecutive ranks, on
+            # the trainer's own process group (vLLM's external launcher, as TRL's colocate mode).
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            self._group = _tensor_parallel_group(dist_info, section.tensor_parallel_size)
+            if self._group is not None and not self._on_gpu:
+                self._release_shared_memory()  # a killed earlier run's
+        if self._on_gpu:
             kwargs["gpu_memory_utilization"] = section.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = section.enable_sleep_mode
         else:
@@ -143,7 +190,10 @@ class VLLMEngine:
                     f"{section.kv_cache_gib}"
                 )
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(section.kv_cache_gib)
-        self._uses_sleep = on_gpu and section.enable_sleep_mode
+            # Colocated: the engine runs on the trainer's threads (OMP_NUM_THREADS), instead of
+            # pinning OpenMP threads of its own to every core of the NUMA node.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self._uses_sleep = self._on_gpu and section.enable_sleep_mode
         self._asleep = False
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -232,6 +282,10 @@ class VLLMEngine:
         seed = None
         if generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        own_rows = slice(0, len(prompts))
+        if self._group is not None:
+            # A shared engine samples its group's prompts together, with its first rank's seed.
+            prompts, own_rows, seed = _gather_for_group(self._group, list(prompts), seed)
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         self._wake()
@@ -245,7 +299,7 @@ class VLLMEngine:
                 f"the vLLM rollout engine failed while generating: {type(error).__name__}: {error}"
             ) from error
         stop = set(stop_tokens)
-        completions = [list(output.outputs[0].token_ids) for output in outputs]
+        completions = [list(output.outputs[0].token_ids) for output in outputs[own_rows]]
         logprobs = [
             torch.tensor(
                 [
@@ -254,7 +308,7 @@ class VLLMEngine:
                 ],
                 dtype=torch.float32,
             )
-            for output, ids in zip(outputs, completions, strict=True)
+            for output, ids in zip(outputs[own_rows], completions, strict=True)
         ]
         truncated = [len(ids) == max_new_tokens and ids[-1] not in stop for ids in completions]
         return GenerationOutput(
@@ -277,8 +331,22 @@ class VLLMEngine:
             self._asleep = False
 
     def close(self) -> None:
-        """Shuts the engine down and removes its staging directory."""
+        """Shuts the engine down and removes its staging directory and the shared-memory
+        segments of its CPU tensor-parallel group (the process may end with ``os._exit``,
+        which skips the destructors that would)."""
+        if self._group is not None and not self._on_gpu:
+            # Before the shutdown, which destroys the group; mapped segments outlive their names.
+            self._release_shared_memory()
         if hasattr(self, "llm"):
             self.llm.llm_engine.engine_core.shutdown()
             del self.llm
         self._staging.cleanup()
+
+    def _release_shared_memory(self) -> None:
+        """The group's first rank unlinks its CPU shared-memory segments, once every rank of
+        the group is past them (collective over the group)."""
+        dist.barrier(group=self._group)
+        ranks = dist.get_process_group_ranks(self._group)
+        if dist.get_rank() == ranks[0]:
+            _remove_cpu_shm_segments(ranks)
+        dist.barrier(group=self._group)
