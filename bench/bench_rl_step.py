@@ -8,7 +8,7 @@ built from ``--config`` plus those overrides, driven through the methods its ``t
 calls (``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``), on the same prompt batches. The
 variants take turns step by step (A, B, A, B, ...) in one process, so load from other processes
 hits all of them alike. The first ``--warmup`` steps of each are not counted. Phases: generation
-(KV-cache sampling), reward, old log-prob pass (no grad; absent from on-policy GRPO), train
+(sampling; with ``rollout.engine=vllm`` also pushing the new weights into the engine), reward, old log-prob pass (no grad; absent from on-policy GRPO), train
 forward (the log-prob forward with grad) and the rest (backward, clipping, AdamW). Prints the
 median seconds per phase and each variant's speed-up over the first.
 """
@@ -134,6 +134,10 @@ def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
     recipes.grpo.sequence_logprobs = clock.wrap("train forward", recipes.grpo.sequence_logprobs)
     for variant in variants:
         variant.recipe.reward = clock.wrap("reward", variant.recipe.reward)
+        engine = variant.recipe.engine  # rollout.engine=vllm: sampling and the weight push
+        if engine is not None:
+            engine.generate = clock.wrap("generation", engine.generate)
+            engine.sync_weights = clock.wrap("generation", engine.sync_weights)
 
 
 def main(argv: list[str] | None = None) -> None:

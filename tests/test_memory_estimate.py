@@ -324,6 +324,40 @@ def test_plan_from_config_sdpo_ema_teacher_and_offload() -> None:
     assert not memory.plan_from_config(cfg).plan.ema_teacher
 
 
+def test_a_vllm_engine_holds_its_share_instead_of_the_native_rollout() -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {
+            "model": {"_component_": "composer_tune.models.qwen3_tiny"},
+            "device": "cuda",
+            "num_prompts_per_generation": 8,
+            "group_size": 4,
+            "max_new_tokens": 64,
+            "rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.25}},
+        }
+    )
+    native = memory.estimate_memory(*_args_and_plan(cfg, engine="native"))
+    awake = memory.estimate_memory(*_args_and_plan(cfg, engine="vllm"))
+    engine = awake.component(memory.VLLM_ENGINE)
+    assert engine.nbytes == int(0.25 * 80.0 * memory.GIB)
+    assert engine.phases == memory.ALL_PHASES  # no sleep mode: held while training too
+    assert native.component(memory.KV_CACHE).nbytes > 0
+    with pytest.raises(KeyError):
+        awake.component(memory.KV_CACHE)  # the engine samples, not the trainer's KV-cache loop
+    cfg.rollout.vllm.enable_sleep_mode = True
+    asleep = memory.estimate_memory(*_args_and_plan(cfg, engine="vllm"))
+    assert asleep.component(memory.VLLM_ENGINE).phases == (memory.ROLLOUT,)
+    for phase in memory.TRAINING_PHASES:
+        assert asleep.phase_bytes(phase) == awake.phase_bytes(phase) - engine.nbytes
+
+
+def _args_and_plan(cfg, *, engine: str):
+    cfg.rollout.engine = engine
+    planned = memory.plan_from_config(cfg, world_size=2, gpu_gib=80.0)
+    return planned.args, planned.plan
+
+
 def _cli():
     """tools/estimate_memory.py as a module (tools/ is not a package)."""
     sys.path.insert(0, str(REPO_ROOT / "tools"))
