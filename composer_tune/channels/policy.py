@@ -59,8 +59,7 @@ def sample_rollouts(
 
     With a vLLM ``engine`` (``build_rollout_engine``), ``model``'s weights are pushed into it
     first unless it already holds ``policy_version`` (the optimiser step they come from; None:
-    always push), and
-    the engine sleeps afterwards where its settings say so (GPU sleep mode)."""
+    always push), and the engine sleeps afterwards where its settings say so (GPU sleep mode)."""
     if engine is not None:
         engine.sync_weights(model, policy_version)
     rollout = collect_rollouts(

@@ -1,10 +1,10 @@
 """Group rollouts for GRPO-family training: sample, score, pack, and compute old log-probs.
 
 For a batch of prompts (dataset samples), :func:`collect_rollouts` samples ``group_size``
-completions per prompt with the KV-cache generator (or a vLLM engine), scores the decoded texts with a verifiable
-reward, packs prompt + completion rows into one right-padded batch, and recomputes the sampling
-policy's per-token log-probabilities with a no-grad chunked forward (plus a frozen reference
-model's, when one is given). The result is a :class:`RolloutBatch`.
+completions per prompt with the KV-cache generator (or a vLLM engine), scores the decoded texts
+with a verifiable reward, packs prompt + completion rows into one right-padded batch, and
+recomputes the sampling policy's per-token log-probabilities with a no-grad chunked forward
+(plus a frozen reference model's, when one is given). The result is a :class:`RolloutBatch`.
 
 Every per-token tensor of a ``RolloutBatch`` is ``[N, T]`` in the *target* frame of
 :class:`~composer_tune.rollout.generation.PackedBatch`: column ``t`` describes token

@@ -19,7 +19,6 @@ trainer's RNG is restored after it): a resumed run samples what an uninterrupted
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -28,12 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
 from composer_tune.checkpointing.hf_checkpoint import (
     decoder_to_hf_state_dict,
-    hf_config_from_decoder_args,
+    save_hf_checkpoint,
 )
 from composer_tune.checkpointing.run_state import rng_state, set_rng_state
 from composer_tune.distributed import DistInfo
@@ -54,14 +52,14 @@ def _refresh_tied_output_head(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-def _full_hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s full weights under Hugging Face names (FSDP2 shards gathered: collective)."""
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s full weights under its own names (FSDP2 shards gathered: collective)."""
     state = {}
     for key, value in model.state_dict().items():
         if hasattr(value, "full_tensor"):  # an FSDP2 shard
             value = value.full_tensor()
         state[key] = value.detach()
-    return list(decoder_to_hf_state_dict(state, model.config).items())
+    return state
 
 
 def _remove_cpu_shm_segments(ranks: list[int]) -> None:
@@ -151,14 +149,9 @@ class VLLMEngine:
         self._on_gpu = dist_info.device.type == "cuda"
         self._staging = tempfile.TemporaryDirectory(prefix="composer_tune_vllm_")
         staging = Path(self._staging.name)
-        config = hf_config_from_decoder_args(self.model_args, _DTYPES[dtype_name])
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        weights = {
-            name: tensor.to(_DTYPES[dtype_name]).contiguous()
-            for name, tensor in _full_hf_weights(model)
-        }
-        save_file(weights, str(staging / "model.safetensors"))
-        del weights
+        save_hf_checkpoint(
+            _full_state_dict(model), self.model_args, staging, dtype=_DTYPES[dtype_name]
+        )
         # The engine core runs in this process: weights are pushed as tensors, with no IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict[str, Any] = {
@@ -231,7 +224,7 @@ class VLLMEngine:
         under FSDP2."""
         if version is not None and version == self.weights_version:
             return False
-        weights = _full_hf_weights(model)
+        weights = list(decoder_to_hf_state_dict(_full_state_dict(model), self.model_args).items())
         self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.model_args.tie_word_embeddings:
