@@ -712,7 +712,7 @@ while True:
 
 def _interrupt_launcher(replica_script: str, signals: int) -> tuple[int, str]:
     """Starts the launcher with 2 replicas running ``replica_script``; once both print "ready",
-    sends SIGINT ``signals`` times (the second once a replica reports the first); returns the
+    sends SIGINT ``signals`` times (the second once both replicas report the first); returns the
     launcher's exit code and output."""
     launcher = subprocess.Popen(
         [
@@ -735,7 +735,10 @@ def _interrupt_launcher(replica_script: str, signals: int) -> tuple[int, str]:
         for line in launcher.stdout:  # blocks until each line arrives
             lines.append(line)
             ready = sum("] ready" in seen for seen in lines) == 2
-            if ready and sent == 0 or sent == 1 and "SIGTERM" in line and sent < signals:
+            both_got_sigterm = (
+                sum(seen.startswith("[replica") and "SIGTERM" in seen for seen in lines) == 2
+            )
+            if ready and sent == 0 or sent == 1 and both_got_sigterm and sent < signals:
                 launcher.send_signal(signal.SIGINT)
                 sent += 1
             if sent == signals:
@@ -788,7 +791,7 @@ def test_launcher_stops_the_others_when_a_replica_dies_instead_of_stopping() -> 
 def test_launcher_second_ctrl_c_kills_replicas_that_do_not_stop() -> None:
     returncode, text = _interrupt_launcher(_IGNORE_SIGTERM, signals=2)
     assert returncode == 130, text
-    assert "[replica 0] ignoring SIGTERM" in text
+    assert "[replica 0] ignoring SIGTERM" in text and "[replica 1] ignoring SIGTERM" in text
     assert "[launcher] got SIGINT again; killing the replicas" in text
     assert "Traceback" not in text
 
