@@ -177,6 +177,8 @@ def test_teacher_config_errors_name_teacher_and_field(tmp_path):
         ({**good, "api_key_env": "sk-abc-123"}, "NAME"),
         ({k: v for k, v in good.items() if k != "model"}, "missing field(s) ['model']"),
         ({**good, "base_url": "localhost:1"}, "'base_url' must start with"),
+        ({**good, "system_prompt": ""}, "'system_prompt' must be a non-empty string"),
+        ({**good, "tool_choice": "always"}, "'tool_choice' must be one of"),
     ]
     for raw, expected in cases:
         path = tmp_path / "teachers.yaml"
@@ -189,10 +191,35 @@ def test_teacher_config_errors_name_teacher_and_field(tmp_path):
         parse_teachers([good, good])
 
 
-def test_example_config_is_valid():
+def test_example_configs_are_valid():
     teachers = load_teachers(REPO / "configs" / "teachers_example.yaml")
     assert len(teachers) >= 2
     assert all(t.api_key_env and t.api_key_env.isupper() for t in teachers)
+    local = load_teachers(REPO / "configs" / "teachers_local_smollm2.yaml")
+    assert [t.tool_choice for t in local] == ["required", "required"]
+    assert local[0].system_prompt is None and "cautious" in local[1].system_prompt
+
+
+def test_request_system_prompt_merges_into_the_system_turn_and_tool_choice_needs_tools():
+    step = make_step(0)
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    common = {"model": "m", "temperature": 0, "max_tokens": 9, "extra_body": {}}
+    request = build_request(
+        step, tools=tools, system_prompt="Be careful.", tool_choice="required", **common
+    )
+    assert request["messages"][0] == {
+        "role": "system",
+        "content": "Be careful.\n\nYou are a coding agent.",
+    }
+    assert request["messages"][1:] == build_request(step, tools=tools, **common)["messages"][1:]
+    assert request["tool_choice"] == "required"
+    # A step without a system turn gets one; a request without tools gets no tool_choice.
+    step.context = step.context[1:]
+    request = build_request(
+        step, tools=[], system_prompt="Be careful.", tool_choice="required", **common
+    )
+    assert request["messages"][0] == {"role": "system", "content": "Be careful."}
+    assert "tool_choice" not in request and "tools" not in request
 
 
 def test_missing_api_key_env_is_a_clear_error(monkeypatch):

@@ -29,7 +29,8 @@ _REQUIRED_FIELDS = (
     "max_tokens",
     "timeout_s",
 )
-_OPTIONAL_FIELDS = ("extra_body",)
+_OPTIONAL_FIELDS = ("extra_body", "system_prompt", "tool_choice")
+TOOL_CHOICES = ("auto", "required", "none")
 # Teacher names become keys in outputs and part of cache keys: keep them path- and JSON-friendly.
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _ENV_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -54,6 +55,11 @@ class TeacherConfig:
     max_tokens: int
     timeout_s: float
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Put before the step's own system text: one model under two system prompts is two teachers.
+    system_prompt: str | None = None
+    # Sent with requests that declare tools: "required" makes servers that support it (vLLM,
+    # OpenAI) answer with a schema-valid tool call. None: the server's default ("auto").
+    tool_choice: str | None = None
 
     def api_key(self) -> str:
         """Read the key from the environment at call time (never stored on the object)."""
@@ -150,6 +156,16 @@ def parse_teacher(raw: Any, *, index: int, source: str = "<teachers>") -> Teache
         raise TeacherConfigError(
             f"{where}: field 'extra_body' must be a mapping, got {extra_body!r}"
         )
+    system_prompt = raw.get("system_prompt")
+    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt):
+        raise TeacherConfigError(
+            f"{where}: field 'system_prompt' must be a non-empty string, got {system_prompt!r}"
+        )
+    tool_choice = raw.get("tool_choice")
+    if tool_choice is not None and tool_choice not in TOOL_CHOICES:
+        raise TeacherConfigError(
+            f"{where}: field 'tool_choice' must be one of {list(TOOL_CHOICES)}, got {tool_choice!r}"
+        )
     return TeacherConfig(
         name=raw["name"],
         base_url=raw["base_url"].rstrip("/"),
@@ -168,6 +184,8 @@ def parse_teacher(raw: Any, *, index: int, source: str = "<teachers>") -> Teache
         max_tokens=_number(where, "max_tokens", raw["max_tokens"], minimum=1, integer=True),
         timeout_s=_number(where, "timeout_s", raw["timeout_s"], minimum=0.001),
         extra_body=dict(extra_body),
+        system_prompt=system_prompt,
+        tool_choice=tool_choice,
     )
 
 

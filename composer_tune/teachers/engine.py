@@ -390,6 +390,8 @@ class ReplayEngine:
                             max_tokens=teacher.max_tokens,
                             tools=tools,
                             extra_body=teacher.extra_body,
+                            system_prompt=teacher.system_prompt,
+                            tool_choice=teacher.tool_choice,
                         )
                         future = executors[teacher.name].submit(
                             self._run_task, index, teacher, request

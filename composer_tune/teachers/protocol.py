@@ -180,16 +180,32 @@ def build_request(
     max_tokens: int,
     tools: list[dict[str, Any]],
     extra_body: dict[str, Any],
+    system_prompt: str | None = None,
+    tool_choice: str | None = None,
 ) -> dict[str, Any]:
-    """The chat-completions body asking a teacher for the next action after ``step.context``."""
+    """The chat-completions body asking a teacher for the next action after ``step.context``.
+
+    ``system_prompt`` goes before the step's own system text (merged into one system turn, which
+    is all that many chat templates accept), or becomes the system turn when the step has none.
+    ``tool_choice`` is sent only when there are tools (servers reject it without them).
+    """
+    messages = [normalise_message(message) for message in step.context]
+    if system_prompt is not None:
+        if messages and messages[0]["role"] == "system":
+            own = messages[0].get("content") or ""
+            messages[0] = {**messages[0], "content": f"{system_prompt}\n\n{own}".rstrip()}
+        else:
+            messages.insert(0, {"role": "system", "content": system_prompt})
     request: dict[str, Any] = {
         "model": model,
-        "messages": [normalise_message(message) for message in step.context],
+        "messages": messages,
         "temperature": temperature,
         "max_tokens": max_tokens,
     }
     if tools:
         request["tools"] = tools
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice
     # extra_body keys are provider options (e.g. reasoning effort); they may not override ours.
     clash = sorted(set(extra_body) & set(request))
     if clash:
