@@ -208,6 +208,15 @@ def test_skip_reasons(trace, answers, reason):
     assert mine_step(replayed(trace, answers), BOTH_MODES) == (None, reason)
 
 
+def test_an_answer_cut_off_at_max_tokens_is_not_an_action():
+    record = replayed(Action(text="Done."), {"a": READ, "b": READ})
+    assert mine_step(record, BOTH_MODES)[1] == "consensus_over_trace"
+    # A real server's answer to a long tool call: half the call as text, finish_reason length.
+    record["teachers"]["b"]["action"] = action_dict(Action(text='<tool_call>\n{"name": "read'))
+    record["teachers"]["b"]["finish_reason"] = "length"
+    assert mine_step(record, BOTH_MODES) == (None, "too_few_teachers")
+
+
 def test_excluding_the_trace_model_changes_the_decision():
     # "self" produced the trace and agrees with it; the independent teachers agree against it.
     record = replayed(READ, {"a": TEST, "b": TEST, "self": READ})

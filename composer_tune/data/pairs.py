@@ -33,8 +33,9 @@ Mining rules (YAML mapping, every key optional)::
 
 Decision per replayed step:
 
-1. fewer than ``min_teachers`` successful, non-empty answers (a reply with neither text nor tool
-   call proposes nothing): skip ``too_few_teachers``; an empty trace action: skip
+1. fewer than ``min_teachers`` successful, non-empty, complete answers (a reply with neither
+   text nor tool call proposes nothing; one cut off at ``max_tokens``, ``finish_reason:
+   length``, is half an action): skip ``too_few_teachers``; an empty trace action: skip
    ``empty_trace_action``.
 2. the teachers agree (all pairwise scores >= consensus_threshold):
    if every teacher disagrees with the trace: ``consensus_over_trace`` pair, chosen = the most
@@ -271,7 +272,10 @@ def mine_step(record: Mapping[str, Any], rules: PairRules) -> tuple[dict[str, An
     answers = {
         name: _action(result["action"])
         for name, result in record["teachers"].items()
-        if result.get("status") == "ok" and name not in rules.exclude_teachers
+        if result.get("status") == "ok"
+        and name not in rules.exclude_teachers
+        # Cut off at max_tokens: a half-written tool call or answer is not an action.
+        and result.get("finish_reason") != "length"
     }
     # An empty reply (no text, no tool call) proposes nothing: count it as no answer.
     answers = {name: a for name, a in answers.items() if a.tool_calls or a.text.strip()}
