@@ -2,12 +2,15 @@
 
 ``FakeOpenAIServer`` listens on 127.0.0.1 (a free port) in a background thread. Answers come from
 a ``responder(body) -> Reply`` callable, so tests script tool calls, text and token usage
-deterministically. Faults are injected per request by ``fault_for(body, attempt) -> Fault | None``,
+deterministically, or, with ``upstream=<base_url>``, from a real server the fake forwards each
+request to (a fault-injecting proxy in front of e.g. a local vLLM server). Faults are injected per request by ``fault_for(body, attempt) -> Fault | None``,
 where ``attempt`` counts earlier arrivals of the identical body (0 for the first), so a test can
 say "fail this request twice, then answer" independently of thread scheduling.
 
 Every request is recorded (``received``): headers, raw body, what the server did with it, and
-whether it was *billed*, i.e. answered in full with a 200 completion. A slow answer that outlives
+whether it was *billed*, i.e. answered in full with a 200 completion. With ``max_in_flight`` the
+fake answers 429 (``Retry-After``) to requests beyond that many at once, as a provider's gateway
+does. A slow answer that outlives
 the client's timeout is recorded as not billed (the fake's convention; real providers may charge
 for abandoned requests, which a client cannot know).
 
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -47,7 +52,10 @@ class Fault:
 
     kind: ``status`` (HTTP ``status`` with an error body, ``retry_after`` seconds as header),
     ``slow`` (sleep ``delay_s`` before answering normally), ``malformed`` (200 with a broken JSON
-    body), ``drop`` (close the connection without answering).
+    body), ``truncated`` (200 whose body stops halfway, short of its Content-Length, then the
+    connection closes), ``drop`` (close the connection without answering). With an upstream, a
+    ``malformed`` or ``truncated`` answer is made from the upstream's real answer: the upstream
+    did the work (and would bill it), the client cannot use it.
     """
 
     kind: str
@@ -56,7 +64,7 @@ class Fault:
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("status", "slow", "malformed", "drop"):
+        if self.kind not in ("status", "slow", "malformed", "truncated", "drop"):
             raise ValueError(f"unknown fault kind {self.kind!r}")
 
 
@@ -69,7 +77,8 @@ class ReceivedRequest:
     body_text: str
     body: dict[str, Any] | None
     attempt: int
-    outcome: str = "pending"  # "ok", "status_<code>", "slow", "malformed", "drop", "unauthorized"
+    outcome: str = "pending"  # "ok", "status_<code>", "busy", "slow", "malformed", "truncated",
+    # "drop", "unauthorized", "upstream_<code>" (the upstream's non-200 answer, relayed)
     billed: bool = False
 
 
@@ -112,16 +121,25 @@ class FakeOpenAIServer:
 
     def __init__(
         self,
-        responder: Callable[[dict[str, Any]], Reply],
+        responder: Callable[[dict[str, Any]], Reply] | None = None,
         *,
+        upstream: str | None = None,
         fault_for: Callable[[dict[str, Any], int], Fault | None] | None = None,
         api_key: str | None = None,
+        max_in_flight: int | None = None,
+        busy_retry_after_s: float = 0.2,
     ) -> None:
+        if (responder is None) == (upstream is None):
+            raise ValueError("give exactly one of responder (scripted answers) and upstream")
         self.responder = responder
+        self.upstream = upstream.rstrip("/") if upstream is not None else None
         self.fault_for = fault_for
         self.api_key = api_key
+        self.max_in_flight = max_in_flight
+        self.busy_retry_after_s = busy_retry_after_s
         self.received: list[ReceivedRequest] = []
         self._arrivals: dict[str, int] = {}
+        self._in_flight = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
@@ -146,6 +164,42 @@ class FakeOpenAIServer:
         """Requests answered in full with a 200 completion."""
         with self._lock:
             return [request for request in self.received if request.billed]
+
+    def _enter(self) -> bool:
+        """Count a request in flight; False (and not counted) when ``max_in_flight`` is reached."""
+        with self._lock:
+            if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
+                return False
+            self._in_flight += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def answer(self, request: ReceivedRequest) -> tuple[int, bytes]:
+        """The status and body of the normal answer: the responder's, or the upstream's."""
+        assert request.body is not None
+        if self.upstream is None:
+            assert self.responder is not None
+            reply = self.responder(request.body)
+            time.sleep(reply.delay_s)
+            body = completion_body(request.body["model"], reply, len(self.received))
+            return 200, json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        try:
+            reply = httpx.post(
+                f"{self.upstream}/chat/completions",
+                content=request.body_text.encode("utf-8"),
+                headers=headers,
+                timeout=None,
+            )
+        except httpx.HTTPError as error:  # the upstream died or is down: a gateway's 502
+            message = {"error": {"message": f"upstream unreachable: {error!r}", "type": "proxy"}}
+            return 502, json.dumps(message).encode()
+        return reply.status_code, reply.content
 
     def _register(self, path: str, headers: dict[str, str], text: str) -> ReceivedRequest:
         try:
@@ -199,6 +253,18 @@ class FakeOpenAIServer:
                     presented = self.headers.get("Authorization", "").removeprefix("Bearer ")
                     self._error(401, f"Incorrect API key provided: {presented}")
                     return
+                if not fake._enter():
+                    request.outcome = "busy"
+                    retry_after = {"Retry-After": f"{fake.busy_retry_after_s:g}"}
+                    self._error(429, "too many requests in flight", retry_after)
+                    return
+                try:
+                    self._answer_counted(request)
+                finally:
+                    fake._leave()
+
+            def _answer_counted(self, request: ReceivedRequest) -> None:
+                assert request.body is not None
                 fault = fake.fault_for(request.body, request.attempt) if fake.fault_for else None
                 if fault is not None and fault.kind == "status":
                     request.outcome = f"status_{fault.status}"
@@ -212,26 +278,36 @@ class FakeOpenAIServer:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if fault is not None and fault.kind == "malformed":
-                    request.outcome = "malformed"
-                    self._send(200, b'{"id": "chatcmpl-broken", "choices": [')
-                    return
                 if fault is not None and fault.kind == "slow":
                     # Meant to outlive the client's timeout: recorded as not billed either way.
                     request.outcome = "slow"
                     time.sleep(fault.delay_s)
                     self.close_connection = True
-                    body = completion_body(request.body["model"], fake.responder(request.body), 0)
                     try:
-                        self._send(200, json.dumps(body).encode())
+                        self._send(*fake.answer(request))
                     except OSError:
                         pass  # the client has given up and closed the connection
                     return
-                reply = fake.responder(request.body)
-                time.sleep(reply.delay_s)
-                body = completion_body(request.body["model"], reply, len(fake.received))
-                request.outcome = "ok"
-                request.billed = True
-                self._send(200, json.dumps(body).encode())
+                if fault is not None and fault.kind == "malformed":
+                    if fake.upstream is not None:
+                        fake.answer(request)  # the real server does the work
+                    request.outcome = "malformed"
+                    self._send(200, b'{"id": "chatcmpl-broken", "choices": [')
+                    return
+                status, payload = fake.answer(request)
+                if fault is not None and fault.kind == "truncated":
+                    request.outcome = "truncated"
+                    self.close_connection = True
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                request.outcome = "ok" if status == 200 else f"upstream_{status}"
+                request.billed = status == 200
+                self._send(status, payload)
 
         return Handler
