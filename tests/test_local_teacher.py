@@ -171,7 +171,7 @@ def test_replay_build_pairs_and_train_against_the_local_server(
     record = json.loads((tmp_path / "replayed.jsonl").read_text().splitlines()[0])
     direct = record["teachers"]["smollm2-direct"]
     reply = httpx.post(
-        f"{server.base_url}/tokenize",
+        server.base_url.removesuffix("/v1") + "/tokenize",
         json={"model": "smollm2", "messages": record["step"]["context"],
               "tools": record["tools"], "add_generation_prompt": True},
         timeout=60,
