@@ -299,8 +299,12 @@ class DiLoCoRecipe:
             else None
         )
         # Last, once the config and inputs are validated: a start that fails writes no log
-        # or config record into output_dir.
-        self.engine = build_rollout_engine(cfg, self.model, self.dist, step=self.step)
+        # or config record into output_dir. Channel 3 alone samples nothing: no engine.
+        self.engine = (
+            build_rollout_engine(cfg, self.model, self.dist, step=self.step)
+            if self.channels.needs_rollouts
+            else None
+        )
         self.metric_logger = self._setup_metric_logger(cfg)
         if self.dist.is_main:
             remove_checkpoints(replaced)

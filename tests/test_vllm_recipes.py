@@ -19,7 +19,12 @@ from composer_tune.rollout.engines import RolloutEngineError
 from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
 from recipes.grpo import GRPOConfig, GRPORecipe
 from tests.recipe_runs import RecipeRun, run_tune
-from tests.test_composer_full_recipe import FULL_MECHANICS, logged_metrics, run_in_process
+from tests.test_composer_full_recipe import (
+    CHANNEL_3_ONLY,
+    FULL_MECHANICS,
+    logged_metrics,
+    run_in_process,
+)
 from tests.test_diloco_recipe import SYNC_EVERY, launch, logged
 from tests.test_grpo_recipe import QUICK as GRPO_QUICK
 
@@ -118,6 +123,33 @@ def test_composer_full_trains_all_channels_from_vllm_rollouts(tmp_path: Path) ->
         assert logged[step]["sampling/logp_diff_abs"] < SYNCED_GAP, logged[step]
         assert logged[step]["sdpo/valid_tokens"] > 0, logged[step]
         assert math.isfinite(logged[step]["dpo/loss"]), logged[step]
+
+
+def test_composer_full_with_channel_3_alone_starts_no_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Channel 3 alone samples nothing: ``rollout.engine=vllm`` must not start (and hold memory
+    for) an engine it never uses."""
+    started = []
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, *a, **k: started.append(a))
+    recipe, _ = run_in_process(
+        ComposerFullRecipe,
+        ComposerFullConfig,
+        "composer_full",
+        tmp_path / "dpo_only",
+        [*FULL_MECHANICS, *CHANNEL_3_ONLY, "max_steps=1", "rollout.engine=vllm"],
+    )
+    assert started == [] and recipe.engine is None
+    # The same run with channel 1 on asks for the engine (the stub above records the call).
+    with pytest.raises(AttributeError):  # the stub engine has no generate()
+        run_in_process(
+            ComposerFullRecipe,
+            ComposerFullConfig,
+            "composer_full",
+            tmp_path / "with_policy",
+            [*FULL_MECHANICS, "max_steps=1", "rollout.engine=vllm"],
+        )
+    assert len(started) == 1
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["engine_per_rank", "shared_engine"])
