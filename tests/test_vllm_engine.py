@@ -136,6 +136,32 @@ def test_a_weight_push_makes_the_engine_sample_from_the_trainers_weights(smollm2
     assert _engine_vs_trainer_gap(engine, model, prompts, stop, seed=3) <= LOGPROB_TOLERANCE
 
 
+def test_a_weight_push_gathers_one_full_tensor_at_a_time() -> None:
+    """Under FSDP2 each shard is gathered only when the engine takes it, so a push holds one
+    full tensor beside the shards, not a full copy of the model."""
+    from composer_tune.rollout.vllm_engine import _streamed_hf_weights
+
+    model = qwen3_tiny(head_dim=32)
+    gathered: list[str] = []
+
+    class Shard:  # stands in for an FSDP2 DTensor: global shape, gathered on request
+        def __init__(self, name: str, tensor: torch.Tensor) -> None:
+            self.name, self.tensor, self.shape = name, tensor, tensor.shape
+
+        def full_tensor(self) -> torch.Tensor:
+            gathered.append(self.name)
+            return self.tensor
+
+    state = model.state_dict()
+    model.state_dict = lambda: {name: Shard(name, value) for name, value in state.items()}
+    taken = 0
+    for _, tensor in _streamed_hf_weights(model, model.config):
+        taken += 1
+        assert len(gathered) == taken  # nothing gathered ahead of the engine
+        assert isinstance(tensor, torch.Tensor)
+    assert taken == len(state) and sorted(gathered) == sorted(state)
+
+
 def test_the_tied_output_head_follows_a_pushed_embedding(smollm2) -> None:
     """vLLM's in-place reload alone leaves a tied head's CPU kernel on the old embedding."""
     model, tokenizer, prompts, engine = smollm2

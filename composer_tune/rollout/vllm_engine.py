@@ -3,8 +3,8 @@
 The engine lives in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): prompts go in
 as token ids rendered by the project's own chat template, completions and each sampled token's
 log-probability come out as the native engine's :class:`GenerationOutput`, and new weights go
-in through vLLM's in-place ``reload_weights`` from the trainer's state dict, without touching
-disk (TRL's colocate mode and verl's rollout workers do the same).
+in through vLLM's in-place ``reload_weights`` from the trainer's state dict, one tensor at a
+time and without touching disk (TRL's colocate mode and verl's rollout workers do the same).
 
 The engine starts from the trainer's weights as they are at the end of set-up (written once to
 a temporary directory beside a ``config.json`` of the trainer's own architecture), so a resumed
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from composer_tune.checkpointing.hf_checkpoint import (
 )
 from composer_tune.checkpointing.run_state import rng_state, set_rng_state
 from composer_tune.distributed import DistInfo
+from composer_tune.models.decoder import DecoderArgs
 from composer_tune.rollout.engines import RolloutEngineError, VLLMSection, vllm_available
 from composer_tune.rollout.generation import GenerationOutput
 
@@ -60,6 +61,17 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = value.full_tensor()
         state[key] = value.detach()
     return state
+
+
+def _streamed_hf_weights(model: nn.Module, args: DecoderArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model``'s weights under Hugging Face names, gathered one tensor at a time as the engine
+    takes them: under FSDP2 a push then holds one full tensor beside the shards (Qwen3-8B's
+    largest, the bf16 embedding, is 1.2 GiB) instead of a full copy of the model (16 GiB).
+    Collective: every rank's engine takes the tensors in the same order."""
+    for name, value in decoder_to_hf_state_dict(model.state_dict(), args).items():
+        if hasattr(value, "full_tensor"):  # an FSDP2 shard
+            value = value.full_tensor()
+        yield name, value.detach()
 
 
 def _remove_cpu_shm_segments(ranks: list[int]) -> None:
@@ -224,9 +236,11 @@ class VLLMEngine:
         under FSDP2."""
         if version is not None and version == self.weights_version:
             return False
-        weights = list(decoder_to_hf_state_dict(_full_state_dict(model), self.model_args).items())
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": _streamed_hf_weights(model, self.model_args)},
+        )
         if self.model_args.tie_word_embeddings:
             self.llm.collective_rpc(_refresh_tied_output_head)
         self.weights_version = version
