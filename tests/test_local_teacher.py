@@ -79,10 +79,11 @@ def server(
     local = LocalTeacherServer(settings, log_path=log)
     local.start()
     yield local
-    pids = local.pids()
+    pids, segments = local.pids(), local.shared_memory()
     local.stop()
     assert len(pids) >= 3, pids  # API server, engine core, worker
     assert _alive(pids) == [], f"server processes left behind: {_alive(pids)}"
+    assert not [segment for segment in segments if segment.exists()]
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +209,15 @@ def test_replay_build_pairs_and_train_against_the_local_server(
 def test_server_killed_mid_replay_then_restarted_loses_and_repeats_nothing(
     server: LocalTeacherServer, steps: Path, tmp_path: Path
 ) -> None:
-    limit = 5
+    limit = 3
     with FakeOpenAIServer(upstream=server.base_url) as proxy:
         # The proxy's address stays the same across the restart, so the cache keys do too.
-        teachers = teachers_file(tmp_path / "teachers.yaml", proxy.base_url, max_concurrency=1)
+        teachers = teachers_file(
+            tmp_path / "teachers.yaml", proxy.base_url, max_concurrency=1, max_tokens=64
+        )
+
+        segments = server.shared_memory()
+        assert segments  # vLLM's engine <-> API server queues
 
         def kill_after_two_answers() -> None:
             while len(proxy.billed()) < 2:
@@ -227,6 +233,7 @@ def test_server_killed_mid_replay_then_restarted_loses_and_repeats_nothing(
         killer.join(timeout=60)
         assert first.returncode == 0, first.stderr[-3000:]
         assert server.pids() == []
+        assert not [segment for segment in segments if segment.exists()]  # RAM given back
         billed_first = {body_key(request.body) for request in proxy.billed()}
         after_first = results(tmp_path)
         ok_first = {key for key, result in after_first.items() if result["status"] == "ok"}
@@ -444,8 +451,12 @@ def test_serve_teacher_command_serves_until_ctrl_c_and_leaves_no_process(tmp_pat
         base_url = lines[-1].split("ready at ")[1].split()[0]
         models = httpx.get(f"{base_url}/models", timeout=30).json()
         assert [model["id"] for model in models["data"]] == ["smollm2"]
-        started = [child.pid for child in psutil.Process(server.pid).children(recursive=True)]
+        children = psutil.Process(server.pid).children(recursive=True)
+        started = [child.pid for child in children]
         assert len(started) >= 3
+        segments = {
+            m.path for child in children for m in child.memory_maps() if "/dev/shm/" in m.path
+        }
         server.send_signal(signal.SIGINT)
         rest, _ = server.communicate(timeout=120)
     finally:
@@ -453,3 +464,4 @@ def test_serve_teacher_command_serves_until_ctrl_c_and_leaves_no_process(tmp_pat
             server.kill()
     assert server.returncode == 0 and "teacher server stopped" in rest, rest
     assert _alive(started) == []
+    assert segments and not [path for path in segments if Path(path).exists()]

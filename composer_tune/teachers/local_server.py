@@ -15,7 +15,10 @@ would silently drop them), so by default the server uses ``templates/chatml_herm
 
 The server runs in its own session (process group). ``stop`` sends SIGTERM to every process the
 server started, each by its own id, then SIGKILL to any left after ``stop_timeout_s``; ``kill``
-sends SIGKILL at once (a crash, for fault tests). Both wait until every one of them is gone.
+sends SIGKILL at once (a crash, for fault tests). Both wait until every one of them is gone, then
+unlink the shared-memory segments those processes had mapped: vLLM's engine and API server talk
+through 160-250 MB ``/dev/shm`` segments, which a SIGKILLed server (resource tracker included)
+leaves behind, holding RAM until reboot.
 """
 
 from __future__ import annotations
@@ -205,6 +208,18 @@ class LocalTeacherServer:
         self._remember_children()
         return sorted(pid for pid, process in self._started.items() if _alive(process))
 
+    def shared_memory(self) -> set[Path]:
+        """The ``/dev/shm`` files the server's live processes have mapped."""
+        self._remember_children()
+        segments = set()
+        for process in self._started.values():
+            try:
+                maps = process.memory_maps(grouped=True)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            segments.update(Path(m.path) for m in maps if m.path.startswith("/dev/shm/"))
+        return segments
+
     def _signal_each(self, signum: int, processes: Iterable[psutil.Process]) -> None:
         for process in processes:
             try:
@@ -225,27 +240,29 @@ class LocalTeacherServer:
 
     def kill(self) -> None:
         """SIGKILL every process of the server at once, as a crash would, and wait for them."""
-        self._remember_children()
+        segments = self.shared_memory()
         self._signal_each(signal.SIGKILL, self._started.values())
-        self._finish(self._wait_gone(self.settings.stop_timeout_s))
+        self._finish(self._wait_gone(self.settings.stop_timeout_s), segments)
 
     def stop(self) -> None:
         """SIGTERM every process of the server, SIGKILL what is left after the grace period."""
         if self._process is None:
             return
-        self._remember_children()
+        segments = self.shared_memory()
         self._signal_each(signal.SIGTERM, self._started.values())
         alive = self._wait_gone(self.settings.stop_timeout_s)
         if alive:
             self._signal_each(signal.SIGKILL, alive)
             alive = self._wait_gone(self.settings.stop_timeout_s)
-        self._finish(alive)
+        self._finish(alive, segments)
 
-    def _finish(self, alive: list[psutil.Process]) -> None:
+    def _finish(self, alive: list[psutil.Process], segments: set[Path]) -> None:
         if alive:
             raise LocalServerError(
                 f"server processes {[process.pid for process in alive]} survived SIGKILL"
             )
+        for segment in segments:  # every process that mapped it is gone
+            segment.unlink(missing_ok=True)
         if self._process is not None:
             self._process.wait()
         self._process = None
