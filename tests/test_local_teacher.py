@@ -465,3 +465,17 @@ def test_serve_teacher_command_serves_until_ctrl_c_and_leaves_no_process(tmp_pat
     assert server.returncode == 0 and "teacher server stopped" in rest, rest
     assert _alive(started) == []
     assert segments and not [path for path in segments if Path(path).exists()]
+
+
+def test_the_api_key_reaches_the_server_through_its_environment_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "inherited-key")
+    settings = LocalServerSettings(model_dir=tmp_path, port=8011)
+    keyed = LocalTeacherServer(settings, log_path=tmp_path / "log", api_key="secret-key")
+    assert keyed._environment()["VLLM_API_KEY"] == "secret-key"
+    assert "secret-key" not in " ".join(keyed.command())  # `ps` shows command lines
+    # Without a key the server is open, whatever this shell happens to export.
+    open_server = LocalTeacherServer(settings, log_path=tmp_path / "log")
+    assert "VLLM_API_KEY" not in open_server._environment()
+    assert open_server.base_url == "http://127.0.0.1:8011/v1"
