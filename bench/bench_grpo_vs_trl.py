@@ -1,26 +1,38 @@
 """One GRPO step of composer-tune (recipes/grpo.py) against TRL's GRPOTrainer, same work.
 
-    .venv/bin/python bench/bench_grpo_vs_trl.py                       # tiny model, CPU
-    .venv/bin/python bench/bench_grpo_vs_trl.py --model-size qwen3-0.6b-4l --device cuda
+    .venv/bin/python bench/bench_grpo_vs_trl.py                       # tiny random Qwen3, CPU
+    .venv/bin/python bench/bench_grpo_vs_trl.py --model qwen3-0.6b-4l --device cuda
+    .venv/bin/python bench/bench_grpo_vs_trl.py --model smollm2       # the real SmolLM2, bf16
+    .venv/bin/python bench/bench_grpo_vs_trl.py --model smollm2 --sweep   # cost-growth curves
 
 A step is the whole of one generation batch with one optimiser step on it: sample G completions
 per prompt, score them, log-prob forward, loss, backward, clip, AdamW step. Both frameworks get
-the same random Qwen3 (saved with ``save_hf_checkpoint``; TRL loads it with AutoModelForCausalLM), the
-same prompts in the same order (synthetic arithmetic, chat-templated by each side's own template
-code; the bench checks the token ids agree), the same reward (``MathAnswerReward``), group size,
-completion cap, temperature, objective (grpo, beta=0, epsilon 0.2, group reward scaling), AdamW
-hyper-parameters, gradient clipping and thread count.
+the same model (``tiny`` / ``qwen3-0.6b-4l``: a random Qwen3 saved with ``save_hf_checkpoint``
+beside the test tokenizer; ``smollm2``: SmolLM2-135M-Instruct's real weights and tokenizer,
+imported into the cache as ``${smollm2_checkpoint:}`` does; TRL loads the same directory with
+AutoModelForCausalLM), the same prompts in the same order (synthetic arithmetic, chat-templated
+by each side's own template code; the bench checks the token ids agree), the same reward
+(``MathAnswerReward``), group size, completion cap, temperature, objective (grpo, beta=0,
+epsilon 0.2, group reward scaling), AdamW hyper-parameters, gradient clipping, thread count and
+precision (``--precision``, ``smollm2`` only: bf16 autocast over fp32 weights on both sides, TRL
+``bf16=True``, where the CPU multiplies bf16 natively (AVX512-BF16/AMX) or on a GPU; fp32 on both
+sides elsewhere: on an AVX2-only CPU a bf16 matmul runs ~65x slower than an fp32 one).
 
-composer-tune's step is ``GRPORecipe`` itself, built from the cpu_smoke config with overrides,
-driven one generation batch at a time through the same methods its ``train()`` loop calls
-(``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``). TRL's step is one optimiser step of
+composer-tune's step is ``GRPORecipe`` itself, built from the cpu_smoke config (``smollm2``: the
+smollm2 config) with overrides, driven one generation batch at a time through the same methods
+its ``train()`` loop calls (``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``); each
+``--variant`` adds config overrides (e.g. ``rollout.engine=vllm``) and ``shared_prefix_forward``
+(default true) runs the training forward with each group's prompt once
+(``composer_tune.rollout.shared_prefix``). TRL's step is one optimiser step of
 ``trainer.train()``, timed by a callback from ``on_step_begin`` (before TRL generates) to
-``on_step_end`` (after its optimiser step). Timing runs both in ONE process, alternating
-TRL step / composer-tune step (ABAB...), so load from other processes hits both alike; peak
-memory runs each framework alone in a fresh subprocess (growth of the peak resident set,
-VmHWM, over the post-import baseline on CPU; ``torch.cuda.max_memory_allocated`` on GPU).
-Settings that cannot be made equal are printed under "not equal". ``--profile`` adds a
-``torch.profiler`` table of the most expensive operators of each framework's last step.
+``on_step_end`` (after its optimiser step). Timing runs every side in ONE process, alternating
+TRL step / each composer-tune variant's step, so load from other processes hits all alike; peak
+memory runs each alone in a fresh subprocess (growth of the peak resident set, VmHWM, over the
+post-import baseline on CPU; ``torch.cuda.max_memory_allocated`` on GPU). Settings that cannot
+be made equal are printed under "not equal". ``--profile`` adds a ``torch.profiler`` table of
+the most expensive operators of each side's last step. ``--sweep`` runs the step at several
+completion lengths and group sizes (each point in a subprocess, every completion running to the
+cap on both sides) and plots seconds per step against them.
 """
 
 import argparse
@@ -40,19 +52,24 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/bench_grpo_vs_trl.py` from a
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
-from composer_tune.channels.policy import group_advantages  # noqa: E402
+from composer_tune import config  # noqa: E402
 from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
 from composer_tune.models import qwen3_tiny  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
+from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs  # noqa: E402
+from composer_tune.rollout.shared_prefix import shared_prefix_logprobs  # noqa: E402
 
 TOKENIZER_DIR = REPO_ROOT / "tests" / "assets" / "tokenizer"
-# qwen3_tiny keyword arguments. The vocabulary is the committed test tokenizer's (994 ids) for
-# both sizes: a random model over Qwen3's real 151,936 ids would sample ids that tokenizer
-# cannot decode. "qwen3-0.6b-4l" is Qwen3-0.6B's layer shape with 4 of its 28 layers.
-MODEL_SIZES: dict[str, dict[str, Any]] = {
+SMOLLM2_CONFIG = REPO_ROOT / "recipes" / "configs" / "grpo" / "smollm2.yaml"
+# Random models: qwen3_tiny keyword arguments. The vocabulary is the committed test
+# tokenizer's (994 ids) for both: a random model over Qwen3's real 151,936 ids would sample
+# ids that tokenizer cannot decode. "qwen3-0.6b-4l" is Qwen3-0.6B's layer shape with 4 of its
+# 28 layers. "smollm2" is the real SmolLM2-135M-Instruct (its grpo config).
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "tiny": {  # recipes/configs/grpo/cpu_smoke.yaml's model (longer max_seq_len)
         "vocab_size": 994,
         "num_layers": 4,
@@ -74,59 +91,147 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         "max_seq_len": 1024,
     },
 }
+MODELS = (*RANDOM_MODELS, "smollm2")
+# composer-tune's sides for --model smollm2 when no --variant is given: both engines (the vLLM
+# one in the run's precision), with fused AdamW as TRL's default (adamw_torch_fused).
+SMOLLM2_VARIANTS = [
+    "rollout.engine=native optimizer.fused=true",
+    "rollout.engine=vllm optimizer.fused=true",
+]
+# The bench's own switch until the recipes have one (the name proposed for their config).
+SHARED_PREFIX_KEY = "shared_prefix_forward"
+# --sweep: (max new tokens, group size) points; every completion runs to the cap.
+SWEEP_POINTS = [(24, 8), (64, 8), (128, 8), (256, 8), (24, 4), (24, 16)]
 NOT_EQUAL = [
     "generation: TRL calls transformers' generate (HF KV cache, its sampling processors); "
-    "composer-tune its own KV-cache generate. Same distribution, different random streams, "
-    "so completion lengths can differ (both printed).",
+    "composer-tune its own KV-cache generate or the vLLM engine. Same distribution, different "
+    "random streams, so completion lengths can differ (both printed).",
     "padding: TRL left-pads prompts and right-pads completions in the training forward "
-    "(attention mask); composer-tune packs prompt+completion right-padded, no mask needed.",
+    "(attention mask); composer-tune packs prompt+completion right-padded, or with the "
+    "shared-prefix forward each group's prompt once followed by its completions.",
     "log-prob head: TRL asks transformers for fused_lm_head log-probs of the completion "
-    "tokens; composer-tune uses its chunked logprob_head (chunk 1024 rows).",
+    "tokens; composer-tune uses its chunked logprob_head.",
     "chat template: TRL renders prompts with the tokenizer's Jinja template, composer-tune "
     "with its own renderer; the bench checks that the token ids are identical.",
     "framework overhead: TRL's step includes Trainer/accelerate bookkeeping and its metric "
     "gathering; composer-tune's includes the recipe's metric reduction.",
 ]
+NO_STOP_NOT_EQUAL = (
+    "--no-stop: TRL suppresses the stop tokens until the cap (min_new_tokens), composer-tune "
+    "samples them but does not stop on them: same lengths, slightly different distributions."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    parser.add_argument("--model", "--model-size", dest="model", choices=MODELS, default="tiny")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per generation batch")
+    parser.add_argument("--prompts", type=int, help="prompts per step (default 4; smollm2: 8)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, help="default 16 (smollm2: 24)")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="smollm2: bf16 autocast or fp32 on both sides (auto: bf16 where the CPU multiplies "
+        "bf16 natively, or on a GPU)",
+    )
+    parser.add_argument(
+        "--trl-optim",
+        help="TRL's optim (default adamw_torch as the cpu_smoke config's AdamW; smollm2: "
+        "adamw_torch_fused, transformers' default on torch >= 2.8)",
+    )
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per framework")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per framework")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per side")
     # One thread by default: on a shared machine, OpenMP workers waiting on each other swamp
     # a tiny model's small kernels.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="a composer-tune side: space-separated config overrides, plus "
+        f"{SHARED_PREFIX_KEY}=true|false (default true); repeat to compare "
+        f"(default: the config as is; smollm2: {' / '.join(SMOLLM2_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--no-stop", action="store_true", help="every completion runs to --max-new-tokens"
+    )
     parser.add_argument("--skip-memory", action="store_true", help="no peak-memory subprocesses")
+    parser.add_argument(
+        "--memory-steps", type=int, default=2, help="steps of each peak-memory subprocess"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="torch.profiler table of each side's last step"
     )
-    parser.add_argument("--worker", choices=["composer", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="step time against completion length and group size (see SWEEP_POINTS), "
+        "each point a subprocess; writes --sweep-out (.json and .png)",
+    )
+    parser.add_argument("--sweep-out", default=str(REPO_ROOT / "docs" / "bench_grpo_vs_trl_sweep"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # "trl" or a variant's index
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    smollm2 = args.model == "smollm2"
+    if args.prompts is None:
+        args.prompts = 2 if args.sweep else 8 if smollm2 else 4
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 24 if smollm2 else 16
+    if not args.variant:
+        args.variant = list(SMOLLM2_VARIANTS) if smollm2 else [""]
+    if args.trl_optim is None:
+        args.trl_optim = "adamw_torch_fused" if smollm2 else "adamw_torch"
+    if args.precision == "auto":
+        args.precision = "bf16" if smollm2 and native_bf16(args.device) else "fp32"
+    elif args.precision == "bf16" and not smollm2:
+        parser.error("--precision bf16 is for --model smollm2 (the random models run fp32)")
     if args.group_size < 2:
         parser.error("--group-size must be >= 2 (GRPO advantages need a group)")
-    if min(args.prompts, args.max_new_tokens, args.repeats) < 1 or args.warmup < 0:
-        parser.error("--prompts, --max-new-tokens, --repeats must be >= 1, --warmup >= 0")
+    if min(args.prompts, args.max_new_tokens, args.repeats, args.memory_steps) < 1:
+        parser.error("--prompts, --max-new-tokens, --repeats, --memory-steps must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     return args
+
+
+def variant_label(args: argparse.Namespace, index: int) -> str:
+    """``composer-tune`` for a single side, else ``composer-tune[i]`` (listed in a legend)."""
+    return "composer-tune" if len(args.variant) == 1 else f"composer-tune[{index}]"
+
+
+def split_variant(overrides: str) -> tuple[list[str], bool]:
+    """A variant's config overrides and whether it uses the shared-prefix forward."""
+    shared_prefix, rest = True, []
+    for item in overrides.split():
+        key, _, value = item.partition("=")
+        if key == SHARED_PREFIX_KEY:
+            shared_prefix = value.lower() in ("true", "1", "yes")
+        else:
+            rest.append(item)
+    return rest, shared_prefix
 
 
 # ----------------------------------------------------------------------------- shared inputs
 
 
-def save_model(args: argparse.Namespace, directory: Path) -> None:
-    """A random Qwen3 of ``--model-size`` with the test tokenizer, as a Hugging Face directory."""
+def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> Path:
+    """The Hugging Face directory both frameworks load: SmolLM2 from the cache, or a random
+    Qwen3 of ``--model`` with the test tokenizer saved under ``workdir``."""
+    if args.model == "smollm2":
+        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+
+        return smollm2_checkpoint()
+    directory = workdir / "model"
     torch.manual_seed(args.seed)
-    model = qwen3_tiny(**MODEL_SIZES[args.model_size])
+    model = qwen3_tiny(**RANDOM_MODELS[args.model])
     tokenizer = ChatTokenizer.from_dir(TOKENIZER_DIR)
     save_hf_checkpoint(
         model.state_dict(),
@@ -136,12 +241,30 @@ def save_model(args: argparse.Namespace, directory: Path) -> None:
         # TRL stops on the generation config's eos ids: the same ones composer-tune stops on.
         generation_config={"eos_token_id": tokenizer.stop_tokens, "pad_token_id": tokenizer.pad_id},
     )
+    return directory
+
+
+def native_bf16(device: str) -> bool:
+    """Whether bf16 matmuls run natively: a GPU, or a CPU with AVX512-BF16 (AMX has it too)."""
+    return device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
+
+
+def enable_thinking(args: argparse.Namespace) -> bool | None:
+    """The chat template's thinking switch: off for Qwen3; SmolLM2's template has none
+    (composer-tune's configs then say ``enable_thinking: true``: send nothing)."""
+    return None if args.model == "smollm2" else False
 
 
 def prompt_samples(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The prompts of every step, in order: ``--prompts`` consecutive samples per step."""
+    """The prompts of every step, in order: ``--prompts`` consecutive samples per step
+    (SmolLM2: its grpo config's task, instruction included)."""
     steps = args.warmup + args.repeats
-    dataset = SyntheticArithmetic(split="train", num_samples=args.prompts * steps, seed=args.seed)
+    count = args.prompts * steps
+    if args.model == "smollm2":
+        section = OmegaConf.load(SMOLLM2_CONFIG).dataset
+        dataset = config.instantiate(section, num_samples=count, seed=args.seed)
+    else:
+        dataset = SyntheticArithmetic(split="train", num_samples=count, seed=args.seed)
     return [dataset[index] for index in range(len(dataset))]
 
 
@@ -153,24 +276,29 @@ def step_batches(args: argparse.Namespace, samples: list[dict[str, Any]]) -> lis
 # ----------------------------------------------------------------------------- timing
 
 
-PHASES = ("generation", "reward", "old log-prob pass", "train log-prob forward", "other")
-OTHER_PHASE = "advantages, loss, backward, clip, AdamW step, framework bookkeeping"
+PHASES = (
+    "generation",
+    "reward",
+    "old log-prob pass",
+    "train log-prob forward",
+    "AdamW step",
+    "other",
+)
+OTHER_PHASE = "advantages, loss, backward, clip, framework bookkeeping"
 
 
 class PhaseClock:
-    """Wall time of one framework's steps, split into phases by timing wrapped functions.
+    """Wall time of steps, split into phases by timing wrapped functions.
 
     ``wrap`` returns a timed version of a function; the time of each call goes to its phase
     (a name, or a callable choosing the name at call time) within the current step. The rest
-    of the step's time is "other".
+    of the step's time is "other". ``end`` returns the step's phases; with ``begin(profile=True)``
+    the step also runs under torch.profiler and ``profile`` holds its operator table.
     """
 
-    def __init__(self, profile_step: int | None = None) -> None:
-        self.steps: list[dict[str, float]] = []
+    def __init__(self) -> None:
         self.current: dict[str, float] = {}
         self.start = 0.0
-        # Index of a step to run under torch.profiler; its operator table lands in .profile.
-        self.profile_step = profile_step
         self.profiler: torch.profiler.profile | None = None
         self.profile = ""
 
@@ -188,8 +316,8 @@ class PhaseClock:
 
         return timed
 
-    def begin(self) -> None:
-        if len(self.steps) == self.profile_step:
+    def begin(self, profile: bool = False) -> None:
+        if profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -199,7 +327,7 @@ class PhaseClock:
         self.current = {}
         self.start = time.perf_counter()
 
-    def end(self) -> None:
+    def end(self) -> dict[str, float]:
         _synchronize()
         total = time.perf_counter() - self.start
         if self.profiler is not None:
@@ -207,82 +335,171 @@ class PhaseClock:
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             self.profile = self.profiler.key_averages().table(sort_by=sort, row_limit=15)
             self.profiler = None
-        self.current["other"] = total - sum(self.current.values())
-        self.current["total"] = total
-        self.steps.append(self.current)
+        step = dict(self.current)
+        step["other"] = total - sum(step.values())
+        step["total"] = total
+        return step
 
-    def median(self, phase: str, skip: int) -> float:
-        """Median over the steps after the first ``skip`` of one phase (0 where absent)."""
-        return statistics.median(step.get(phase, 0.0) for step in self.steps[skip:])
+
+def median_phase(steps: list[dict[str, float]], phase: str) -> float:
+    """Median of one phase over ``steps`` (0 where absent)."""
+    return statistics.median(step.get(phase, 0.0) for step in steps)
 
 
 # ----------------------------------------------------------------------------- composer-tune
 
 
-class ComposerStep:
-    """``recipes/grpo.py``'s GRPORecipe, one generation batch (= one optimiser step) per call."""
+class SharedPrefixTrainForward:
+    """Stands in for the channel step's training forward
+    (``composer_tune.channels.composer.sequence_logprobs``).
 
-    def __init__(self, args: argparse.Namespace, checkpoint: Path, output_dir: Path) -> None:
-        from composer_tune import config
+    With a rollout set (a shared-prefix side's step), each micro-batch runs through
+    ``shared_prefix_logprobs``, its groups read from the rollout: the recipe's micro-batches
+    are consecutive row slices of it, in order (checked). Without one, the plain forward. The
+    channel step has no shared-prefix switch yet; once it does, this goes.
+    """
+
+    def __init__(self) -> None:
+        self.rollout: RolloutBatch | None = None
+        self.next_row = 0
+
+    def use(self, rollout: RolloutBatch | None) -> None:
+        self.rollout, self.next_row = rollout, 0
+
+    def __call__(
+        self,
+        model: Any,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        mask: torch.Tensor,
+        **kw: Any,
+    ) -> Any:
+        if self.rollout is None:
+            return sequence_logprobs(model, tokens, input_pos, mask, **kw)
+        rows = slice(self.next_row, self.next_row + tokens.shape[0])
+        self.next_row = rows.stop
+        if not torch.equal(tokens, self.rollout.tokens[rows, : tokens.shape[1]]):
+            raise RuntimeError("the recipe's micro-batches are not its rollout's rows in order")
+        return shared_prefix_logprobs(
+            model,
+            tokens,
+            input_pos,
+            mask,
+            group_ids=self.rollout.group_ids[rows],
+            prompt_lengths=self.rollout.prompt_lengths[rows],
+            **kw,
+        )
+
+
+TRAIN_FORWARD = SharedPrefixTrainForward()
+
+
+class _NoStops:
+    """The recipe's tokenizer with no stop tokens (``--no-stop``): rows run to the cap."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.stop_tokens: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def composer_overrides(args: argparse.Namespace, checkpoint: Path, output_dir: Path) -> list[str]:
+    """The recipe config's overrides that make composer-tune's step TRL's (see the module doc)."""
+    rows = args.prompts * args.group_size
+    common = [
+        f"output_dir={output_dir}",
+        f"seed={args.seed}",
+        f"device={args.device}",
+        "warm_start=null",
+        "eval_dataset=null",
+        f"num_prompts_per_generation={args.prompts}",
+        f"group_size={args.group_size}",
+        f"max_new_tokens={args.max_new_tokens}",
+        f"temperature={args.temperature}",
+        "steps_per_generation=1",
+        "num_iterations=1",
+        f"micro_batch_size={rows}",  # TRL's per_device_train_batch_size: one forward
+        "loss.objective=grpo",
+        "loss.beta=0.0",
+        "loss.epsilon_low=0.2",
+        "loss.epsilon_high=0.2",
+        "loss.scale_rewards=group",
+        f"optimizer.lr={args.lr}",
+        "optimizer.betas=[0.9,0.99]",
+        "optimizer.weight_decay=0.0",
+        # Cosine over max_steps without warm-up, as TRL's below (the configs' lr is constant).
+        "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+        "lr_scheduler.num_warmup_steps=0",
+        "clip_grad_norm=1.0",
+        "logging.progress_bar=false",
+        f"max_steps={args.warmup + args.repeats}",
+        # The recipe's own dataset is never read (the bench feeds the prompts): keep it small.
+        f"dataset.num_samples={args.prompts}",
+    ]
+    if args.model == "smollm2":
+        return [
+            *common,
+            # Room for the ~50-token prompt and the completion (the config's 256 fits 24).
+            f"model.max_seq_len={max(256, 128 + args.max_new_tokens)}",
+            f"autocast={'bf16' if args.precision == 'bf16' else 'null'}",
+        ]
+    return [
+        *common,
+        "dtype=fp32",
+        f"checkpoint.initial_checkpoint={checkpoint}",
+        f"tokenizer.path={checkpoint}",
+        *(f"model.{key}={value}" for key, value in RANDOM_MODELS[args.model].items()),
+        "enable_thinking=false",
+    ]
+
+
+class ComposerStep:
+    """``recipes/grpo.py``'s GRPORecipe, one generation batch (= one optimiser step) per call,
+    for one ``--variant`` (config overrides + the shared-prefix switch)."""
+
+    def __init__(
+        self, args: argparse.Namespace, checkpoint: Path, output_dir: Path, variant: str
+    ) -> None:
+        from composer_tune.channels import composer
         from recipes.grpo import GRPOConfig, GRPORecipe
 
-        rows = args.prompts * args.group_size
-        overrides = [
-            f"output_dir={output_dir}",
-            f"seed={args.seed}",
-            f"device={args.device}",
-            "dtype=fp32",
-            "warm_start=null",
-            f"checkpoint.initial_checkpoint={checkpoint}",
-            f"tokenizer.path={checkpoint}",
-            *(f"model.{key}={value}" for key, value in MODEL_SIZES[args.model_size].items()),
-            f"num_prompts_per_generation={args.prompts}",
-            f"group_size={args.group_size}",
-            f"max_new_tokens={args.max_new_tokens}",
-            f"temperature={args.temperature}",
-            "steps_per_generation=1",
-            "num_iterations=1",
-            f"micro_batch_size={rows}",  # TRL's per_device_train_batch_size: one forward
-            "loss.objective=grpo",
-            "loss.beta=0.0",
-            "loss.epsilon_low=0.2",
-            "loss.epsilon_high=0.2",
-            "loss.scale_rewards=group",
-            f"optimizer.lr={args.lr}",
-            "optimizer.betas=[0.9,0.99]",
-            "optimizer.weight_decay=0.0",
-            # Cosine over max_steps without warm-up, as TRL's below (cpu_smoke's lr is constant).
-            "lr_scheduler._component_=torchtune.training.lr_schedulers."
-            "get_cosine_schedule_with_warmup",
-            "lr_scheduler.num_warmup_steps=0",
-            "clip_grad_norm=1.0",
-            "enable_thinking=false",
-            "logging.progress_bar=false",
-            f"max_steps={args.warmup + args.repeats}",
-            # The recipe's own dataset is never read (the bench feeds the prompts): keep it small.
-            f"dataset.num_samples={args.prompts}",
-        ]
+        overrides, self.shared_prefix = split_variant(variant)
         cfg = config.load_config(
-            "cpu_smoke",
-            overrides,
+            "smollm2" if args.model == "smollm2" else "cpu_smoke",
+            [*composer_overrides(args, checkpoint, output_dir), *overrides],
             recipe_file=REPO_ROOT / "recipes" / "grpo.py",
             schema=GRPOConfig,
         )
         self.recipe = GRPORecipe(cfg)
         self.recipe.setup()
+        if args.no_stop:
+            self.recipe.run.tokenizer = _NoStops(self.recipe.run.tokenizer)
+        if not isinstance(composer.sequence_logprobs, SharedPrefixTrainForward):
+            composer.sequence_logprobs = TRAIN_FORWARD
+        self.steps: list[dict[str, float]] = []
         self.completion_tokens: list[float] = []
 
     def __call__(self, samples: list[dict[str, Any]]) -> None:
         # GRPORecipe.train()'s loop body with steps_per_generation = num_iterations = 1.
         recipe = self.recipe
-        rollout = recipe._rollout(samples)
-        advantages = (
-            group_advantages(rollout, recipe.loss_cfg, recipe.cfg.group_size, recipe.dist)
-            * recipe.cfg.advantage_sign
-        )
-        recipe._optimizer_step(rollout, advantages, on_policy=True)
-        recipe.step += 1
+        rollout = recipe.run.rollout(samples, recipe.objective.reference)
+        TRAIN_FORWARD.use(rollout if self.shared_prefix else None)
+        batch = recipe.objective.prepare(rollout, advantage_sign=recipe.cfg.advantage_sign)
+        for _, step in batch.optimizer_steps(1, 1):
+            recipe._optimizer_step(step)
+            recipe.run.progress.step += 1
+        if self.shared_prefix and TRAIN_FORWARD.next_row != len(rollout):
+            raise RuntimeError(
+                "the channel step no longer trains through composer.sequence_logprobs: "
+                "update SharedPrefixTrainForward to its shared-prefix switch"
+            )
+        TRAIN_FORWARD.use(None)
         self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
+
+    def close(self) -> None:
+        self.recipe.cleanup()
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -306,6 +523,7 @@ def build_trl_trainer(
         texts = [completion[-1]["content"] for completion in completions]
         return [r.score for r in reward(texts, [{"answer": a} for a in answer])]
 
+    thinking = enable_thinking(args)
     trl_config = GRPOConfig(
         output_dir=str(output_dir),
         seed=args.seed,
@@ -319,12 +537,13 @@ def build_trl_trainer(
         temperature=args.temperature,
         top_p=1.0,
         top_k=0,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens} if args.no_stop else None,
         learning_rate=args.lr,
         adam_beta1=0.9,
         adam_beta2=0.99,
         adam_epsilon=1e-8,
         weight_decay=0.0,
-        optim="adamw_torch",
+        optim=args.trl_optim,
         lr_scheduler_type="cosine",
         warmup_steps=0,
         max_grad_norm=1.0,
@@ -333,11 +552,12 @@ def build_trl_trainer(
         epsilon=0.2,
         scale_rewards="group",
         use_vllm=False,
-        bf16=False,
+        # SmolLM2: bf16 autocast over fp32 weights, as composer-tune's smollm2 config.
+        bf16=args.precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,
         shuffle_dataset=False,
-        chat_template_kwargs={"enable_thinking": False},
+        chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking},
         max_steps=args.warmup + args.repeats,
         logging_strategy="no",
         save_strategy="no",
@@ -359,65 +579,83 @@ def build_trl_trainer(
     )
 
 
-def trl_step_callback(clock: PhaseClock, after_step: Callable[[], None] | None = None) -> Any:
-    """A TrainerCallback clocking each TRL optimiser step (``on_step_begin``, before TRL
-    generates, to ``on_step_end``, after its AdamW step), then calling ``after_step()`` outside
-    the clocked window. Set ``.trainer`` to also record TRL's mean completion length per step."""
-    from transformers import TrainerCallback
+class TRLSide:
+    """TRL's step times (a TrainerCallback clocks each optimiser step from ``on_step_begin``,
+    before TRL generates, to ``on_step_end``, after its AdamW step) and mean completion
+    lengths; ``after_step()`` runs outside the clocked window (the composer-tune steps)."""
 
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.lengths: list[float] = []  # mean completion tokens per step
-            self.trainer: Any = None
+    def __init__(self, clock: PhaseClock, profile_step: int | None = None) -> None:
+        self.clock = clock
+        self.profile_step = profile_step
+        self.steps: list[dict[str, float]] = []
+        self.completion_tokens: list[float] = []
+        self.trainer: Any = None
+        self.optimizer_step: Callable[..., Any] | None = None  # TRL's, once clocked
+        self.after_step: Callable[[], None] | None = None
 
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            clock.begin()
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
 
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            clock.end()
-            if self.trainer is not None:  # TRL keeps per-step metrics until it logs
-                self.lengths.append(self.trainer._metrics["train"]["completions/mean_length"][-1])
-            if after_step is not None:
-                after_step()
+        side = self
 
-    return StepClock()
+        class StepClock(TrainerCallback):
+            def on_step_begin(self, *_: Any, **__: Any) -> None:
+                if side.optimizer_step is None:  # train() built it: time it from now on
+                    optimizer = side.trainer.optimizer
+                    side.optimizer_step = optimizer.step
+                    optimizer.step = side.clock.wrap("AdamW step", optimizer.step)
+                side.clock.begin(profile=len(side.steps) == side.profile_step)
+
+            def on_step_end(self, *_: Any, **__: Any) -> None:
+                side.steps.append(side.clock.end())
+                metrics = side.trainer._metrics["train"]  # kept per step until TRL logs
+                side.completion_tokens.append(metrics["completions/mean_length"][-1])
+                if side.after_step is not None:
+                    side.after_step()
+
+        return StepClock()
+
+    def clock_phases(self) -> None:
+        """Time TRL's generation, reward and log-prob forwards (no grad: old log-probs)."""
+        trainer, clock = self.trainer, self.clock
+        trainer._generate_single_turn = clock.wrap("generation", trainer._generate_single_turn)
+        trainer._calculate_rewards = clock.wrap("reward", trainer._calculate_rewards)
+        trainer._get_per_token_logps_and_entropies = clock.wrap(
+            lambda: "train log-prob forward" if torch.is_grad_enabled() else "old log-prob pass",
+            trainer._get_per_token_logps_and_entropies,
+        )
 
 
-def clock_trl_phases(trainer: Any, clock: PhaseClock) -> None:
-    """Time TRL's generation, reward and log-prob forwards (no grad: old log-probs)."""
-    trainer._generate_single_turn = clock.wrap("generation", trainer._generate_single_turn)
-    trainer._calculate_rewards = clock.wrap("reward", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = clock.wrap(
-        lambda: "train log-prob forward" if torch.is_grad_enabled() else "old log-prob pass",
-        trainer._get_per_token_logps_and_entropies,
-    )
-
-
-def clock_composer_phases(step: ComposerStep, clock: PhaseClock) -> None:
-    """Time the recipe's generation, reward and log-prob forwards, at the names it calls."""
-    import recipes.grpo
+def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
+    """Time the recipes' generation (with vLLM: also the weight push), reward and log-prob
+    forwards, at the names they call."""
+    from composer_tune.channels import composer
     from composer_tune.rollout import rollouts
 
     rollouts.generate = clock.wrap("generation", rollouts.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
-    recipes.grpo.sequence_logprobs = clock.wrap(
-        "train log-prob forward", recipes.grpo.sequence_logprobs
-    )
-    step.recipe.reward = clock.wrap("reward", step.recipe.reward)
+    composer.sequence_logprobs = clock.wrap("train log-prob forward", composer.sequence_logprobs)
+    for step in steps:
+        run = step.recipe.run
+        run.task.reward = clock.wrap("reward", run.task.reward)
+        run.optimizer.step = clock.wrap("AdamW step", run.optimizer.step)
+        engine = run.engine
+        if engine is not None:
+            engine.generate = clock.wrap("generation", engine.generate)
+            engine.sync_weights = clock.wrap("generation", engine.sync_weights)
 
 
-def trl_prompt_ids(checkpoint: Path, samples: list[dict[str, Any]]) -> list[list[int]]:
-    """The prompt ids TRL generates from: the Jinja chat template with thinking off."""
+def trl_prompt_ids(
+    checkpoint: Path, samples: list[dict[str, Any]], thinking: bool | None
+) -> list[list[int]]:
+    """The prompt ids TRL generates from: the tokenizer's Jinja chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
     return [
         tokenizer.apply_chat_template(
-            s["prompt"],
-            add_generation_prompt=True,
-            enable_thinking=False,
-            tokenize=True,
-            return_dict=False,
+            s["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         )
         for s in samples
     ]
@@ -445,81 +683,271 @@ def _proc_status_mib(field: str) -> float:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    """One framework alone (fresh process): prints its peak memory and step times as JSON."""
+    """One side alone (fresh process) for ``--memory-steps`` steps: prints its peak memory."""
     torch.set_num_threads(args.threads)
+    args.warmup, args.repeats = 0, args.memory_steps
     checkpoint = Path(args.checkpoint)
     samples = prompt_samples(args)
     # Imports are code, not training state: load them before the baseline.
-    if args.worker == "composer":
-        import recipes.grpo  # noqa: F401
-    else:
+    if args.worker == "trl":
         import datasets  # noqa: F401
         import trl  # noqa: F401
+    else:
+        import recipes.grpo  # noqa: F401
     baseline = _proc_status_mib("VmRSS")
     with tempfile.TemporaryDirectory() as output_dir:
-        clock = PhaseClock()
-        if args.worker == "composer":
-            step = ComposerStep(args, checkpoint, Path(output_dir))
-            for batch in step_batches(args, samples):
-                clock.begin()
-                step(batch)
-                clock.end()
+        if args.worker == "trl":
+            build_trl_trainer(args, checkpoint, samples, Path(output_dir), []).train()
         else:
-            callback = trl_step_callback(clock)
-            build_trl_trainer(args, checkpoint, samples, Path(output_dir), [callback]).train()
-        times = [step["total"] for step in clock.steps]
-    result = {
-        "rss_growth_mib": _proc_status_mib("VmHWM") - baseline,
-        "times": times[args.warmup :],
-    }
+            step = ComposerStep(args, checkpoint, Path(output_dir), args.variant[0])
+            for batch in step_batches(args, samples):
+                step(batch)
+    result = {"rss_growth_mib": _proc_status_mib("VmHWM") - baseline}
     if args.device.startswith("cuda"):
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print("WORKER_RESULT " + json.dumps(result), flush=True)
 
 
-def spawn_worker(args: argparse.Namespace, framework: str, checkpoint: Path) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--worker", framework, "--checkpoint", str(checkpoint)]
-    for name in ("model_size", "device", "prompts", "group_size", "max_new_tokens"):
+def common_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that define the work, for a subprocess of this script."""
+    argv = ["--model", args.model, "--device", args.device, "--precision", args.precision]
+    argv += ["--trl-optim", args.trl_optim]
+    for name in ("prompts", "group_size", "max_new_tokens", "temperature", "lr", "threads"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("temperature", "lr", "warmup", "repeats", "threads", "seed"):
-        argv += [f"--{name}", str(getattr(args, name))]
+    argv += ["--seed", str(args.seed), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    return argv + (["--no-stop"] if args.no_stop else [])
+
+
+def spawn_worker(args: argparse.Namespace, worker: str, checkpoint: Path) -> dict[str, Any]:
+    """Peak memory of one side alone: ``worker`` is "trl" or a ``--variant``'s overrides."""
+    argv = [sys.executable, __file__, *common_argv(args), "--checkpoint", str(checkpoint)]
+    argv += ["--memory-steps", str(args.memory_steps)]
+    argv += (
+        ["--worker", "trl"] if worker == "trl" else ["--worker", "composer", "--variant", worker]
+    )
     done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("WORKER_RESULT "):
             return json.loads(line.removeprefix("WORKER_RESULT "))
-    raise RuntimeError(
-        f"{framework} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
-    )
+    raise RuntimeError(f"{worker} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def interleaved_run(
     args: argparse.Namespace, checkpoint: Path, samples: list[dict[str, Any]], workdir: Path
-) -> tuple[PhaseClock, PhaseClock, list[float], ComposerStep]:
-    """Both frameworks in this process, alternating steps: TRL, composer-tune, TRL, ...
+) -> tuple[list[ComposerStep], TRLSide, PhaseClock]:
+    """Every side in this process, alternating steps: TRL, each composer-tune variant, TRL, ...
 
     Returns:
-        composer-tune's and TRL's clocks (warm-up steps included), TRL's mean completion
-        length per step, and the composer-tune step object.
+        the composer-tune sides, the TRL side (warm-up steps included) and composer-tune's
+        clock (its profile is the last variant's last step).
     """
-    composer = ComposerStep(args, checkpoint, workdir / "composer")
+    composers = [
+        ComposerStep(args, checkpoint, workdir / f"composer{index}", variant)
+        for index, variant in enumerate(args.variant)
+    ]
     last = args.warmup + args.repeats - 1
     profile_step = last if args.profile else None
-    composer_clock, trl_clock = PhaseClock(profile_step), PhaseClock(profile_step)
-    clock_composer_phases(composer, composer_clock)
+    composer_clock = PhaseClock()
+    clock_composer_phases(composer_clock, composers)
     batches = iter(step_batches(args, samples))
+    trl = TRLSide(PhaseClock(), profile_step)
 
-    def composer_step() -> None:
+    def composer_steps() -> None:
         batch = next(batches)  # the prompts TRL just used (in order: shuffle_dataset=False)
-        composer_clock.begin()
-        composer(batch)
-        composer_clock.end()
+        for composer in composers:
+            composer_clock.begin(profile=len(composer.steps) == profile_step)
+            composer(batch)
+            composer.steps.append(composer_clock.end())
+        times = [f"trl {trl.steps[-1]['total']:.1f}"]
+        times += [f"[{i}] {c.steps[-1]['total']:.1f}" for i, c in enumerate(composers)]
+        print(f"step {len(trl.steps)} (s): {', '.join(times)}", file=sys.stderr, flush=True)
 
-    callback = trl_step_callback(trl_clock, after_step=composer_step)
-    trainer = build_trl_trainer(args, checkpoint, samples, workdir / "trl", [callback])
-    callback.trainer = trainer
-    clock_trl_phases(trainer, trl_clock)
-    trainer.train()
-    return composer_clock, trl_clock, callback.lengths, composer
+    trl.after_step = composer_steps
+    trl.trainer = build_trl_trainer(args, checkpoint, samples, workdir / "trl", [trl.callback()])
+    trl.clock_phases()
+    trl.trainer.train()
+    for composer in composers:
+        composer.close()
+    return composers, trl, composer_clock
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One interleaved run (and the peak-memory subprocesses): every side's figures."""
+    samples = prompt_samples(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        checkpoint = prepare_checkpoint(args, workdir)
+        tokenizer = ChatTokenizer.from_dir(checkpoint)
+        thinking = enable_thinking(args)
+        ours = [
+            tokenizer.tokenize_messages(
+                s["prompt"],
+                add_generation_prompt=True,
+                enable_thinking=thinking is None or thinking,
+            )[0]
+            for s in samples
+        ]
+        same_prompts = ours == trl_prompt_ids(checkpoint, samples, thinking)
+        composers, trl, composer_clock = interleaved_run(args, checkpoint, samples, workdir)
+        memory = {}
+        if not args.skip_memory:
+            memory = {"trl": spawn_worker(args, "trl", checkpoint)}
+            for variant in args.variant:
+                memory[variant] = spawn_worker(args, variant, checkpoint)
+
+    def side(steps: list[dict[str, float]], lengths: list[float], peak: dict) -> dict[str, Any]:
+        timed = steps[args.warmup :]
+        return {
+            "median_s": median_phase(timed, "total"),
+            "min_s": min(step["total"] for step in timed),
+            "phases": {phase: median_phase(timed, phase) for phase in PHASES},
+            "completion_tokens": statistics.mean(lengths[args.warmup :]),
+            "peak_mib": peak.get("cuda_peak_mib", peak.get("rss_growth_mib")),
+        }
+
+    sides = {"trl": side(trl.steps, trl.completion_tokens, memory.get("trl", {}))}
+    for index, (variant, composer) in enumerate(zip(args.variant, composers, strict=True)):
+        sides[variant_label(args, index)] = {
+            "variant": variant,
+            **side(composer.steps, composer.completion_tokens, memory.get(variant, {})),
+        }
+    return {
+        "setup": {
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "model": args.model,
+            "params": sum(p.numel() for p in composers[0].recipe.run.model.parameters()),
+            "prompts": args.prompts,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "no_stop": args.no_stop,
+            "precision": args.precision,
+            "trl_optim": args.trl_optim,
+            "same_prompts": same_prompts,
+            "memory_kind": (
+                "CUDA max_memory_allocated"
+                if "cuda_peak_mib" in memory.get("trl", {})
+                else "peak RSS growth"
+            ),
+        },
+        "sides": sides,
+        "profiles": {
+            "composer-tune (last variant)": composer_clock.profile,
+            "trl": trl.clock.profile,
+        },
+    }
+
+
+def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    setup, sides = result["setup"], result["sides"]
+    rows = args.prompts * args.group_size
+    print(f"device={setup['device']} threads={setup['threads']} torch={setup['torch']}")
+    print(
+        f"model={args.model} params={setup['params']:,} prompts={args.prompts} "
+        f"group_size={args.group_size} rows={rows} max_new_tokens={args.max_new_tokens} "
+        f"temperature={args.temperature} objective=grpo beta=0 epsilon=0.2 lr={args.lr} "
+        f"precision={'bf16 autocast' if args.precision == 'bf16' else 'fp32'} "
+        f"trl_optim={args.trl_optim} "
+        f"warmup={args.warmup} repeats={args.repeats}" + (" no-stop" if args.no_stop else "")
+    )
+    print(
+        f"prompt token ids identical (our renderer vs TRL's chat template): {setup['same_prompts']}"
+    )
+    ours = [name for name in sides if name != "trl"]
+    for name in ours:
+        print(f"{name}: {sides[name]['variant'] or '(config as is)'}")
+    lengths = ", ".join(f"{name} {sides[name]['completion_tokens']:.1f}" for name in [*ours, "trl"])
+    print(f"mean completion tokens per row (timed steps): {lengths}")
+    print()
+    width = max(15, *(len(name) + 2 for name in sides))
+    print(f"{'framework':<{width}}{'median s/step':>14}{'min s/step':>12}{'peak mem MiB':>14}")
+    for name in [*ours, "trl"]:
+        figures = sides[name]
+        peak = figures["peak_mib"]
+        peak_text = f"{peak:.0f}" if peak is not None else "-"
+        print(
+            f"{name:<{width}}{figures['median_s']:>14.3f}{figures['min_s']:>12.3f}{peak_text:>14}"
+        )
+    for name in ours:
+        ratio = sides["trl"]["median_s"] / sides[name]["median_s"]
+        print(f"speed-up (trl median / {name} median): {ratio:.2f}x")
+    if not args.skip_memory:
+        print(f"peak mem: {setup['memory_kind']}, each side alone in a fresh process")
+    columns = "".join(f"{name:>{max(len(name), 9) + 2}}" for name in [*ours, "trl"])
+    print(f"\n{'phase (median s/step)':<26}{columns}")
+    for phase in PHASES:
+        values = "".join(
+            f"{sides[name]['phases'][phase]:>{max(len(name), 9) + 2}.3f}" for name in [*ours, "trl"]
+        )
+        print(f"{phase:<26}{values}")
+    print(f"  other: {OTHER_PHASE}")
+    for name, profile in result["profiles"].items():
+        if profile:
+            print(f"\ntorch.profiler, {name}, last step:\n{profile}")
+    print("\nnot equal:")
+    for line in [*NOT_EQUAL, *([NO_STOP_NOT_EQUAL] if args.no_stop else [])]:
+        print(f"  - {line}")
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Every SWEEP_POINTS point in a subprocess (its own engines and memory), every completion
+    running to the cap; writes ``--sweep-out`` .json (all figures) and .png (the curves)."""
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for new_tokens, group_size in SWEEP_POINTS:
+            point = argparse.Namespace(
+                **{**vars(args), "max_new_tokens": new_tokens, "group_size": group_size}
+            )
+            out = Path(tmp) / f"{new_tokens}_{group_size}.json"
+            argv = [sys.executable, __file__, *common_argv(point), "--no-stop", "--skip-memory"]
+            for variant in args.variant:
+                argv += ["--variant", variant]
+            print(f"sweep: max_new_tokens={new_tokens} group_size={group_size}", flush=True)
+            subprocess.run([*argv, "--json", str(out)], check=True, cwd=REPO_ROOT)
+            points.append(json.loads(out.read_text()))
+    base = Path(args.sweep_out)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    base.with_suffix(".json").write_text(json.dumps(points, indent=1))
+    plot_sweep(points, base.with_suffix(".png"))
+    print(f"sweep: wrote {base.with_suffix('.json')} and {base.with_suffix('.png')}")
+
+
+def plot_sweep(points: list[dict[str, Any]], path: Path) -> None:
+    """Median s/step against new tokens (group size 8) and against group size (24 tokens)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setup = points[0]["setup"]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [("max_new_tokens", "group_size", 8), ("group_size", "max_new_tokens", 24)]
+    for axis, (x_key, fixed_key, fixed) in zip(axes, panels, strict=True):
+        chosen = sorted(
+            (p for p in points if p["setup"][fixed_key] == fixed), key=lambda p: p["setup"][x_key]
+        )
+        xs = [p["setup"][x_key] for p in chosen]
+        for name in chosen[0]["sides"]:
+            label = chosen[0]["sides"][name].get("variant") or name
+            axis.plot(xs, [p["sides"][name]["median_s"] for p in chosen], "o-", label=label)
+        axis.set_xlabel(f"{x_key.replace('_', ' ')} ({fixed_key.replace('_', ' ')} {fixed})")
+        axis.set_ylabel("median s / GRPO step")
+        axis.set_xticks(xs)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(
+        f"{setup['model']} ({setup['precision']}), {setup['prompts']} prompts/step, every "
+        f"completion to the cap, {setup['device']} {setup['threads']} thread(s)"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -527,74 +955,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker is not None:
         run_worker(args)
         return
+    if args.sweep:
+        sweep(args)
+        return
     torch.set_num_threads(args.threads)
-    samples = prompt_samples(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        checkpoint = workdir / "model"
-        save_model(args, checkpoint)
-        tokenizer = ChatTokenizer.from_dir(checkpoint)
-        ours = [
-            tokenizer.tokenize_messages(
-                s["prompt"], add_generation_prompt=True, enable_thinking=False
-            )[0]
-            for s in samples
-        ]
-        same_prompts = ours == trl_prompt_ids(checkpoint, samples)
-        composer_clock, trl_clock, trl_lengths, composer = interleaved_run(
-            args, checkpoint, samples, workdir
-        )
-        memory = (
-            {}
-            if args.skip_memory
-            else {name: spawn_worker(args, name, checkpoint) for name in ("composer", "trl")}
-        )
-
-    params = sum(p.numel() for p in composer.recipe.model.parameters())
-    rows = args.prompts * args.group_size
-    print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(
-        f"model={args.model_size} params={params:,} prompts={args.prompts} "
-        f"group_size={args.group_size} rows={rows} max_new_tokens={args.max_new_tokens} "
-        f"temperature={args.temperature} objective=grpo beta=0 epsilon=0.2 lr={args.lr} "
-        f"warmup={args.warmup} repeats={args.repeats}"
-    )
-    print(f"prompt token ids identical (our renderer vs TRL's chat template): {same_prompts}")
-    print(
-        "mean completion tokens per row (timed steps): composer-tune "
-        f"{statistics.mean(composer.completion_tokens[args.warmup :]):.1f}, "
-        f"trl {statistics.mean(trl_lengths[args.warmup :]):.1f}"
-    )
-    print()
-    header = f"{'framework':<15}{'median s/step':>14}{'min s/step':>12}{'peak mem MiB':>14}"
-    print(header)
-    medians = {}
-    for name, clock in (("composer-tune", composer_clock), ("trl", trl_clock)):
-        times = [step["total"] for step in clock.steps[args.warmup :]]
-        medians[name] = statistics.median(times)
-        worker = memory.get("composer" if name == "composer-tune" else "trl", {})
-        peak = worker.get("cuda_peak_mib", worker.get("rss_growth_mib"))
-        peak_text = f"{peak:.0f}" if peak is not None else "-"
-        print(f"{name:<15}{medians[name]:>14.3f}{min(times):>12.3f}{peak_text:>14}")
-    print(
-        f"speed-up (trl median / composer-tune median): {medians['trl'] / medians['composer-tune']:.2f}x"
-    )
-    if memory:
-        kind = (
-            "CUDA max_memory_allocated" if "cuda_peak_mib" in memory["trl"] else "peak RSS growth"
-        )
-        print(f"peak mem: {kind}, each framework alone in a fresh process")
-    print(f"\n{'phase (median s/step)':<26}{'composer-tune':>14}{'trl':>10}")
-    for phase in PHASES:
-        values = [clock.median(phase, args.warmup) for clock in (composer_clock, trl_clock)]
-        print(f"{phase:<26}{values[0]:>14.3f}{values[1]:>10.3f}")
-    print(f"  other: {OTHER_PHASE}")
-    for name, clock in (("composer-tune", composer_clock), ("trl", trl_clock)):
-        if clock.profile:
-            print(f"\ntorch.profiler, {name}, last step:\n{clock.profile}")
-    print("\nnot equal:")
-    for line in NOT_EQUAL:
-        print(f"  - {line}")
+    result = measure(args)
+    print_report(args, result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

