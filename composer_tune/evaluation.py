@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,10 @@ from torch import nn
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.rewards.base import Reward
 from composer_tune.rollout import encode_prompts, generate
+from composer_tune.rollout.rollouts import episode_metrics
+
+if TYPE_CHECKING:
+    from composer_tune.agents import AgentRuntime, EpisodeRecord
 
 
 @dataclass
@@ -26,6 +30,8 @@ class EvalResult:
     mean_completion_tokens: float
     # A few (prompt, completion, gold) triples from rank 0, for logs and eyeballing.
     examples: list[dict[str, str]] = field(default_factory=list)
+    # Agent episodes only: eval/turns, eval/tool_calls, eval/tool_errors, eval/truncated ...
+    episode_metrics: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """The metrics every recipe logs for a held-out evaluation (tools/ladder.py and the tests
@@ -34,6 +40,7 @@ class EvalResult:
             "eval/accuracy": self.accuracy,
             "eval/reward_mean": self.reward_mean,
             "eval/completion_tokens": self.mean_completion_tokens,
+            **self.episode_metrics,
         }
 
     def summary(self) -> str:
@@ -56,46 +63,75 @@ def evaluate_heldout(
     max_new_tokens: int,
     enable_thinking: bool = False,
     num_examples: int = 3,
+    agent: AgentRuntime | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of ``model`` on ``dataset``: accuracy (``RewardResult.correct``) and mean
-    reward. Collective under torchrun: every rank must call it."""
+    reward. Collective under torchrun: every rank must call it.
+
+    With an ``agent``, each problem is a greedy episode (the agent's limits replace
+    ``max_new_tokens``): accuracy is episode success, completion tokens count the model's own,
+    and the episode metrics are added (``eval/turns``, ``eval/tool_calls``, ...,
+    ``eval/tool_use_rate``: the share of episodes with at least one tool call)."""
     indices = list(range(dist_info.rank, len(dataset), dist_info.world_size))
     # Equal batch counts on every rank: FSDP forwards are collectives.
     per_rank = -(-len(dataset) // dist_info.world_size)
     num_batches = -(-per_rank // batch_size)
     totals = torch.zeros(4, dtype=torch.float64)  # correct, reward, samples, completion tokens
     examples: list[dict[str, str]] = []
+    records: list[EpisodeRecord] = []
     for batch_index in range(num_batches):
         batch_ids = indices[batch_index * batch_size : (batch_index + 1) * batch_size]
         # A rank out of samples decodes a copy of sample 0 and ignores it.
         samples = [dataset[i] for i in batch_ids] or [dataset[0]]
-        output = generate(
-            model,
-            encode_prompts(tokenizer, samples, enable_thinking=enable_thinking),
-            max_new_tokens=max_new_tokens,
-            pad_id=tokenizer.pad_id,
-            greedy=True,
-            stop_tokens=tokenizer.stop_tokens,
-            sync_ranks=dist_info.is_distributed,
-        )
+        if agent is not None:
+            episodes, results = agent.run(
+                model,
+                tokenizer,
+                samples,
+                reward,
+                greedy=True,
+                sync_ranks=dist_info.is_distributed,
+                enable_thinking=enable_thinking,
+            )
+            texts = [episode.final_text for episode in episodes]
+            model_tokens = sum(sum(episode.model_mask) for episode in episodes)
+        else:
+            output = generate(
+                model,
+                encode_prompts(tokenizer, samples, enable_thinking=enable_thinking),
+                max_new_tokens=max_new_tokens,
+                pad_id=tokenizer.pad_id,
+                greedy=True,
+                stop_tokens=tokenizer.stop_tokens,
+                sync_ranks=dist_info.is_distributed,
+            )
+            texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
+            results = reward(texts, samples)
+            model_tokens = float(output.completion_lengths.sum())
         if not batch_ids:
             continue
-        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
-        results = reward(texts, samples)
+        if agent is not None:
+            records += [episode.record for episode in episodes]
         totals[0] += sum(bool(r.correct) for r in results)
         totals[1] += sum(r.score for r in results)
         totals[2] += len(results)
-        totals[3] += float(output.completion_lengths.sum())
+        totals[3] += model_tokens
         for sample, text in zip(samples, texts, strict=True):
             if len(examples) < num_examples:
                 question = sample["prompt"][-1]["content"]
                 examples.append({"prompt": question, "completion": text, "gold": sample["answer"]})
     all_reduce_sum(totals)
     count = max(int(totals[2]), 1)
+    episode_stats: dict[str, float] = {}
+    if agent is not None:
+        episode_stats = episode_metrics(records, "eval/", totals.device)
+        used = torch.tensor([float(sum(bool(r.tool_calls) for r in records))], dtype=torch.float64)
+        episode_stats["eval/tool_use_rate"] = float(all_reduce_sum(used)) / count
     return EvalResult(
         accuracy=float(totals[0]) / count,
         reward_mean=float(totals[1]) / count,
         num_samples=int(totals[2]),
         mean_completion_tokens=float(totals[3]) / count,
         examples=examples,
+        episode_metrics=episode_stats,
     )

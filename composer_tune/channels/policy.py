@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from composer_tune.agents import AgentRuntime, collect_episodes
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses import (
     PolicyLossConfig,
@@ -51,6 +52,7 @@ def sample_rollouts(
     sync_ranks: bool,
     engine: VLLMEngine | None = None,
     policy_version: int | None = None,
+    agent: AgentRuntime | None = None,
 ) -> RolloutBatch:
     """``cfg.group_size`` completions per prompt of ``samples``, scored. ``cfg`` is the recipe
     config (its sampling keys: group_size, max_new_tokens, temperature, top_k, top_p,
@@ -59,28 +61,33 @@ def sample_rollouts(
 
     With a vLLM ``engine`` (``build_rollout_engine``), ``model``'s weights are pushed into it
     first unless it already holds ``policy_version`` (the optimiser step they come from; None:
-    always push), and the engine sleeps afterwards where its settings say so (GPU sleep mode)."""
+    always push), and the engine sleeps afterwards where its settings say so (GPU sleep mode).
+
+    With an ``agent`` (``composer_tune.agents.build_agent``) each row is a multi-turn
+    tool-calling episode instead (its limits replace ``max_new_tokens``), packed so that the
+    completion mask covers only the model's own tokens."""
     if engine is not None:
         engine.sync_weights(model, policy_version)
-    rollout = collect_rollouts(
-        model,
-        tokenizer,
-        samples,
-        reward,
-        group_size=cfg.group_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        generator=generator,
-        reference=reference,
-        enable_thinking=cfg.enable_thinking,
-        logprob_chunk_size=cfg.logprob_chunk_size,
-        forward_batch_size=cfg.micro_batch_size,
-        sync_ranks=sync_ranks,
-        compute_old_logp=compute_old_logp,
-        engine=engine,
-    )
+    settings = {
+        "group_size": cfg.group_size,
+        "temperature": cfg.temperature,
+        "top_k": cfg.top_k,
+        "top_p": cfg.top_p,
+        "generator": generator,
+        "reference": reference,
+        "enable_thinking": cfg.enable_thinking,
+        "logprob_chunk_size": cfg.logprob_chunk_size,
+        "forward_batch_size": cfg.micro_batch_size,
+        "sync_ranks": sync_ranks,
+        "compute_old_logp": compute_old_logp,
+        "engine": engine,
+    }
+    if agent is not None:
+        rollout = collect_episodes(agent, model, tokenizer, samples, reward, **settings)
+    else:
+        rollout = collect_rollouts(
+            model, tokenizer, samples, reward, max_new_tokens=cfg.max_new_tokens, **settings
+        )
     if engine is not None:
         engine.sleep()
     return rollout

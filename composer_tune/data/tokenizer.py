@@ -80,6 +80,9 @@ GENERATION_CONFIG = "generation_config.json"
 _TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 _ADDED_TOKEN_FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
+# Chat templates shipped with composer-tune, by the name ``with_chat_template`` accepts.
+_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "teachers" / "templates"
+NAMED_CHAT_TEMPLATES = {"hermes": str(_TEMPLATES_DIR / "chatml_hermes_tools.jinja")}
 
 
 def configure_qwen_pipeline(tokenizer: Tokenizer) -> None:
@@ -308,6 +311,8 @@ class ChatTokenizer:
         self._vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self._eos_id, self._pad_id, self._bos_id = eos_id, pad_id, bos_id
         self._stop_tokens = list(dict.fromkeys(stop_tokens))
+        # Tool schemas rendered when a caller passes none (from_pretrained's ``tools``).
+        self.default_tools: list[dict[str, Any]] | None = None
         for name, token_id in [
             ("eos", eos_id),
             ("pad", pad_id),
@@ -451,6 +456,38 @@ class ChatTokenizer:
             [self._check_ids(ids) for ids in sequences], skip_special_tokens=skip_special_tokens
         )
 
+    def with_chat_template(self, template: str) -> ChatTokenizer:
+        """A copy that renders with another chat template: a name of
+        :data:`NAMED_CHAT_TEMPLATES` (``hermes``: ChatML with Hermes tool calls, for checkpoints
+        whose own template drops them, such as SmolLM2) or a path to a ``.jinja`` file. Stop
+        tokens gain the new template's end of turn."""
+        path = Path(NAMED_CHAT_TEMPLATES.get(template, template))
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"chat template {template!r}: not one of {sorted(NAMED_CHAT_TEMPLATES)} and no "
+                f"such file"
+            )
+        special = self.chat_template.special_tokens if self.chat_template else {}
+        compiled = ChatTemplate(
+            path.read_text(encoding="utf-8"),
+            origin=str(path),
+            special_tokens=special,
+            candidate_tokens=list(self.special_tokens),
+        )
+        copy = ChatTokenizer(
+            self._tokenizer,
+            chat_template=compiled,
+            eos_id=self._eos_id,
+            pad_id=self._pad_id,
+            stop_tokens=self._stop_tokens
+            + ([self.token_to_id(compiled.end_of_turn)] if compiled.end_of_turn else []),
+            bos_id=self._bos_id,
+            max_seq_len=self.max_seq_len,
+            source=self.source,
+        )
+        copy.default_tools = self.default_tools
+        return copy
+
     def _template(self) -> ChatTemplate:
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.source}: the checkpoint has no chat template")
@@ -473,7 +510,7 @@ class ChatTokenizer:
         """
         return self._template().render(
             messages,
-            tools=tools,
+            tools=tools if tools is not None else self.default_tools,
             add_generation_prompt=add_generation_prompt,
             strip_thinking=strip_thinking,
             enable_thinking=enable_thinking,
@@ -503,6 +540,7 @@ class ChatTokenizer:
         """
         switches = {"strip_thinking": strip_thinking, "enable_thinking": enable_thinking}
         template = self._template()
+        tools = tools if tools is not None else self.default_tools
         text = template.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, **switches
         )
@@ -536,7 +574,25 @@ class ChatTokenizer:
         return {**sample, "tokens": tokens, "mask": [not keep for keep in loss_mask]}
 
 
-def from_pretrained(path: str, max_seq_len: int | None = None) -> ChatTokenizer:
+def from_pretrained(
+    path: str,
+    max_seq_len: int | None = None,
+    chat_template: str | None = None,
+    tools: Sequence[str] | None = None,
+) -> ChatTokenizer:
     """YAML builder (``_component_: composer_tune.data.tokenizer.from_pretrained``): the
-    tokenizer of a Hugging Face checkpoint directory (or a tokenizer-only directory)."""
-    return ChatTokenizer.from_dir(path, max_seq_len=max_seq_len)
+    tokenizer of a Hugging Face checkpoint directory (or a tokenizer-only directory).
+
+    ``chat_template`` replaces the checkpoint's template (see
+    :meth:`ChatTokenizer.with_chat_template`: ``hermes`` or a ``.jinja`` path). ``tools``
+    (dotted paths of tool functions or TRL-style environment classes) are rendered whenever a
+    caller passes none: for supervised data whose samples carry no tool list (an SFT run on
+    tool demonstrations), so it sees the system prompt its agent episodes will."""
+    tokenizer = ChatTokenizer.from_dir(path, max_seq_len=max_seq_len)
+    if chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat_template)
+    if tools:
+        from composer_tune.agents.tools import schemas_of_paths
+
+        tokenizer.default_tools = schemas_of_paths(tools, "tokenizer.tools")
+    return tokenizer

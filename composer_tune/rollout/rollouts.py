@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,12 @@ from torch import Tensor, nn
 
 from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
-from composer_tune.rewards.base import Reward
+from composer_tune.rewards.base import Reward, RewardResult
 from composer_tune.rollout.generation import encode_prompts, generate, pack_sequences
+from composer_tune.rollout.shared_prefix import shared_prefix_logprobs
+
+if TYPE_CHECKING:
+    from composer_tune.agents.episodes import EpisodeRecord
 
 
 @dataclass
@@ -65,6 +69,10 @@ class RolloutBatch:
         sampling_logp: ``float32[N, T]`` each target's log-prob as the sampler reported it
             while drawing it (0 off the mask), for the sampler/trainer gap and its correction;
             None when the sampler gave none.
+        episodes: for agent episodes (``composer_tune.agents``), each row's
+            :class:`~composer_tune.agents.EpisodeRecord` (turn spans, tool calls and errors,
+            error turn and its feedback, timings); None for single-turn rollouts. The row's
+            ``completion_mask`` then covers only the model's own turns, never tool output.
     """
 
     tokens: Tensor
@@ -83,9 +91,21 @@ class RolloutBatch:
     samples: list[Mapping[str, Any]]
     correct_known: Tensor | None = None
     sampling_logp: Tensor | None = None
+    episodes: list[EpisodeRecord] | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    @staticmethod
+    def scored(results: Sequence[RewardResult], device: torch.device) -> dict[str, Any]:
+        """The per-row fields a reward's results fill: ``rewards``, ``correct``, ``feedback``
+        and ``correct_known``."""
+        return {
+            "rewards": torch.tensor([r.score for r in results], dtype=torch.float32, device=device),
+            "correct": torch.tensor([bool(r.correct) for r in results], device=device),
+            "feedback": [r.feedback for r in results],
+            "correct_known": torch.tensor([r.correct is not None for r in results], device=device),
+        }
 
     def select(self, rows: slice) -> RolloutBatch:
         """The rows ``rows`` as a new batch, with trailing all-padding columns dropped.
@@ -174,6 +194,42 @@ def sequence_logprobs(
     return F.pad(output, (1, 0))
 
 
+def rollout_logprobs(
+    model: nn.Module,
+    rows: RolloutBatch,
+    *,
+    shared_prefix: bool,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The training (or old/reference) log-prob forward of ``rows``, one call for either path:
+    :func:`~composer_tune.rollout.shared_prefix.shared_prefix_logprobs` (each group's prompt
+    run once) with ``shared_prefix``, else :func:`sequence_logprobs`. Both return the same
+    ``[N, T]`` frame; see the shared-prefix module for the entropy off the completion mask."""
+    if shared_prefix:
+        return shared_prefix_logprobs(
+            model,
+            rows.tokens,
+            rows.input_pos,
+            rows.completion_mask,
+            group_ids=rows.group_ids,
+            prompt_lengths=rows.prompt_lengths,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+        )
+    return sequence_logprobs(
+        model,
+        rows.tokens,
+        rows.input_pos,
+        rows.completion_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+
+
 @torch.no_grad()
 def _batched_logprobs(
     model: nn.Module,
@@ -184,29 +240,29 @@ def _batched_logprobs(
     temperature: float,
     chunk_size: int,
     forward_batch_size: int,
+    group_ids: Tensor | None = None,
+    prompt_lengths: Tensor | None = None,
 ) -> Tensor:
-    """No-grad :func:`sequence_logprobs` over row slices of ``forward_batch_size``, in eval mode.
+    """No-grad log-probs over row slices of ``forward_batch_size``, in eval mode:
+    :func:`sequence_logprobs`, or the shared-prefix forward when ``group_ids`` and
+    ``prompt_lengths`` give the rows' groups.
 
     Eval mode: the sampled tokens came from the model with dropout off, so their log-probs must
     be taken with it off too.
     """
     was_training = model.training
     model.eval()
+    parts = []
     try:
-        parts = [
-            sequence_logprobs(
-                model,
-                tokens[rows],
-                input_pos[rows],
-                completion_mask[rows],
-                temperature=temperature,
-                chunk_size=chunk_size,
-            )
-            for rows in (
-                slice(start, start + forward_batch_size)
-                for start in range(0, tokens.shape[0], forward_batch_size)
-            )
-        ]
+        for start in range(0, tokens.shape[0], forward_batch_size):
+            rows = slice(start, start + forward_batch_size)
+            args = (model, tokens[rows], input_pos[rows], completion_mask[rows])
+            kwargs = {"temperature": temperature, "chunk_size": chunk_size}
+            if group_ids is None or prompt_lengths is None:
+                parts.append(sequence_logprobs(*args, **kwargs))
+            else:
+                groups = {"group_ids": group_ids[rows], "prompt_lengths": prompt_lengths[rows]}
+                parts.append(shared_prefix_logprobs(*args, **groups, **kwargs))
     finally:
         model.train(was_training)
     return torch.cat(parts).float()
@@ -231,6 +287,7 @@ def collect_rollouts(
     sync_ranks: bool = False,
     compute_old_logp: bool = True,
     engine: Any = None,
+    shared_prefix: bool = False,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each of ``samples``, score and pack them.
 
@@ -258,6 +315,8 @@ def collect_rollouts(
         engine: a :class:`~composer_tune.rollout.vllm_engine.VLLMEngine` holding the policy's
             current weights samples the completions instead of ``policy`` (None: the native
             KV-cache loop); ``generator`` then seeds each batch.
+        shared_prefix: the old and reference log-prob forwards run each group's prompt once
+            (:mod:`composer_tune.rollout.shared_prefix`); same values up to float rounding.
 
     Returns:
         A :class:`RolloutBatch` of ``len(samples) * group_size`` rows, on the policy's device.
@@ -309,10 +368,14 @@ def collect_rollouts(
     # columns of the mask, in order.
     sampling_logp = torch.zeros(completion_mask.shape, dtype=torch.float32)
     sampling_logp[packed.completion_mask] = torch.cat(output.logprobs).float()
+    group_ids = torch.arange(len(samples), device=device).repeat_interleave(group_size)
+    prompt_lengths = packed.prompt_lengths.to(device)
     logprob_args = {
         "temperature": temperature,
         "chunk_size": logprob_chunk_size,
         "forward_batch_size": forward_batch_size or len(row_prompts),
+        "group_ids": group_ids if shared_prefix else None,
+        "prompt_lengths": prompt_lengths if shared_prefix else None,
     }
     old_logp = (
         _batched_logprobs(policy, tokens, input_pos, completion_mask, **logprob_args)
@@ -334,9 +397,9 @@ def collect_rollouts(
         correct=torch.tensor([bool(r.correct) for r in results], dtype=torch.bool, device=device),
         feedback=[r.feedback for r in results],
         truncated=output.truncated.to(device),
-        prompt_lengths=packed.prompt_lengths.to(device),
+        prompt_lengths=prompt_lengths,
         completion_lengths=packed.completion_lengths.to(device),
-        group_ids=torch.arange(len(samples), device=device).repeat_interleave(group_size),
+        group_ids=group_ids,
         texts=texts,
         samples=row_samples,
         correct_known=torch.tensor(
@@ -369,11 +432,38 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
         sums
     ).tolist()
     mean = reward_sum / max(num_scored, 1.0)
-    return {
+    metrics = {
         "reward/mean": mean,
         "reward/std": math.sqrt(max(reward_sq / max(num_scored, 1.0) - mean**2, 0.0)),
         "reward/unscored": (count - num_scored) / count,
         "accuracy": correct / count,
         "completion_length/mean": length_sum / count,
         "truncation_rate": truncated / count,
+    }
+    episodes = getattr(rollout, "episodes", None)  # duck-typed batches may lack the field
+    if episodes is not None:
+        metrics.update(episode_metrics(episodes, "episode/", rewards.device))
+    return metrics
+
+
+def episode_metrics(records: Sequence[EpisodeRecord], prefix: str, device: Any) -> dict[str, float]:
+    """Per-episode means over every rank (collective): turns, tool calls, tool errors, the
+    truncated share, and seconds in the environment vs in generation."""
+    names = ("turns", "tool_calls", "tool_errors", "truncated", "env_seconds", "generation_seconds")
+    sums = torch.tensor(
+        [
+            float(len(records)),
+            sum(r.turns for r in records),
+            sum(len(r.tool_calls) for r in records),
+            sum(r.tool_errors for r in records),
+            sum(r.truncated is not None for r in records),
+            sum(r.env_seconds for r in records),
+            sum(r.generation_seconds for r in records),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    count, *totals = all_reduce_sum(sums).tolist()
+    return {
+        prefix + name: total / max(count, 1.0) for name, total in zip(names, totals, strict=True)
     }
