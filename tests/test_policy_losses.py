@@ -442,6 +442,48 @@ def test_nan_rewards_batch_and_no_scaling() -> None:
     )
 
 
+def test_unscorable_rows_match_trl_from_reward_parts_to_advantages() -> None:
+    """TRL 1.16's ``_generate_and_score_completions`` on the same reward-function outputs:
+    weighted ``nansum`` over functions, a row NaN in every function marked unscorable (NaN),
+    group ``nanmean``/``nanstd`` over the scorable rows, ``nan_to_num`` on the advantages. The
+    project's path is CompositeReward's score, then compute_advantages."""
+    from composer_tune.rewards import CompositeReward, RewardResult
+
+    nan = float("nan")
+    # Two groups of 4; columns: an answer reward (weight 1) and a format bonus (weight 0.1).
+    parts = [
+        [1.0, 0.5], [nan, 1.0], [0.0, nan], [nan, nan],
+        [1.0, 1.0], [0.0, 0.0], [1.0, nan], [0.0, 1.0],
+    ]  # fmt: skip
+    weights = [1.0, 0.1]
+
+    def fixed(column: int):
+        def reward(completions, samples):
+            return [RewardResult(score=row[column]) for row in parts[: len(completions)]]
+
+        return reward
+
+    composite = CompositeReward(
+        [{"reward": fixed(i), "weight": weight} for i, weight in enumerate(weights)]
+    )
+    scores = [result.score for result in composite(["c"] * 8, [{}] * 8)]
+    ours = compute_advantages(torch.tensor(scores, dtype=torch.float64), group_size=4)
+
+    # TRL 1.16, step by step (trl/trainer/grpo_trainer.py and trl.trainer.utils.nanstd).
+    per_func = torch.tensor(parts, dtype=torch.float64)
+    unscorable = torch.isnan(per_func).all(dim=1)
+    rewards = (per_func * torch.tensor(weights, dtype=torch.float64)).nansum(dim=1)
+    rewards[unscorable] = nan
+    grouped = rewards.view(-1, 4)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    std = (torch.nanmean((grouped - mean) ** 2, dim=1, keepdim=True) * count / (count - 1)).sqrt()
+    trl = torch.nan_to_num((grouped - mean) / (std + 1e-4), nan=0.0).reshape(-1)
+
+    assert ours.tolist() == pytest.approx(trl.tolist(), rel=1e-12)
+    assert ours[3] == 0.0 and ours[1] != 0.0  # all parts NaN: unscorable; one NaN part: scored
+
+
 # ------------------------------------------------------------------------- step normalisation
 
 

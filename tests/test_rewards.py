@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,19 @@ def test_composite_correctness_needs_every_defined_verdict() -> None:
     assert [r.score for r in results] == pytest.approx([4.0, 1.0, 2.0])
     # Each component scores the batch in one call.
     assert first.calls == second.calls == 1
+
+
+def test_composite_sums_the_scorable_parts_and_is_unscorable_only_when_all_parts_are() -> None:
+    """TRL 1.16: ``nansum`` over reward functions, NaN only where every function returned NaN."""
+    nan = float("nan")
+    answer = FixedReward([RewardResult(1.0, True), RewardResult(nan), RewardResult(nan)])
+    bonus = FixedReward([RewardResult(nan), RewardResult(0.5), RewardResult(nan)])
+    reward = CompositeReward([{"reward": answer, "weight": 2.0}, {"reward": bonus, "weight": 0.1}])
+    first, second, third = reward(["a", "b", "c"], [_sample("1")] * 3)
+    assert first.score == pytest.approx(2.0)
+    assert second.score == pytest.approx(0.05)
+    assert math.isnan(third.score)
+    assert first.correct is True
 
 
 @pytest.mark.parametrize(

@@ -115,3 +115,39 @@ def test_bad_settings_are_named() -> None:
             cfg,
             sampling_logp=old[:, :2],
         )
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_a_nan_sampler_logp_is_a_token_with_weight_one(mode: str) -> None:
+    """vLLM can report NaN for a token's log-prob; TRL 1.16 maps its log-ratio to 0 (weight 1,
+    nothing added to its sequence's sum). The loss and gradient must be those of the same batch
+    with that token's sampler log-prob equal to the trainer's, not NaN."""
+    old, sampling = _logps()
+    with_nan = sampling.clone()
+    with_nan[1, 1] = math.nan  # an active token
+    with_nan[0, 2] = math.nan  # an inactive one
+    weight_one = sampling.clone()
+    weight_one[1, 1] = old[1, 1]
+    weight_one[0, 2] = old[0, 2]
+    advantages = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    cfg = PolicyLossConfig(sampling_correction=mode, sampling_correction_cap=CAP)
+    # Off-policy by a little, so the gradient depends on every ratio.
+    shift = torch.tensor([[0.05, -0.1, 0.0], [0.02, 0.07, -0.03]], dtype=torch.float64)
+
+    def loss_and_grad(sampling_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        logp = (old + shift).requires_grad_(True)
+        loss, metrics = policy_loss(logp, old, advantages, MASK, cfg, sampling_logp=sampling_logp)
+        loss.backward()
+        return loss.detach(), logp.grad, metrics
+
+    loss, grad, metrics = loss_and_grad(with_nan)
+    expected_loss, expected_grad, _ = loss_and_grad(weight_one)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    # The logged gap leaves the unscored token out (TRL's sampling_logp_difference).
+    active = [0.5, 1.0, -0.2, 0.1]
+    assert float(metrics["sampling/logp_diff_abs"]) == pytest.approx(
+        sum(abs(g) for g in active) / 4
+    )
+    assert float(metrics["sampling/ratio"]) == pytest.approx(sum(math.exp(g) for g in active) / 4)

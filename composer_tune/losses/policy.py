@@ -8,7 +8,10 @@ worked out by hand:
   ``"none"``). A group is a consecutive block of ``group_size`` completions of one prompt.
 * A reward of NaN means "could not be scored" (a crashed verifier): that completion gets zero
   advantage and its group's mean and std are taken over the scored completions only, so its
-  group-mates keep their signal (TRL sums reward functions with ``nansum``, scoring it 0 instead).
+  group-mates keep their signal. TRL 1.16 does the same: it sums the reward functions with
+  ``nansum`` but marks a row whose every function returned NaN unscorable (NaN), leaves it out
+  of the ``nanmean``/``nanstd`` baseline and sets its advantage to 0 (as
+  :class:`composer_tune.rewards.composite.CompositeReward` sums the scorable parts).
 * Importance ratio ``w = exp(logp - old_logp)`` per token; GSPO uses one ratio per sequence,
   ``s = exp(mean_t(logp - old_logp))`` over its completion tokens, broadcast to the tokens
   (TRL's ``importance_sampling_level="sequence"``, which any objective may set).
@@ -29,8 +32,9 @@ worked out by hand:
 * ``sampling_correction`` (default off) multiplies the policy term of each token's loss by the
   truncated importance weight between the trainer's ``old_logp`` and the sampler's own
   log-probs (TRL's ``vllm_importance_sampling_correction``, before the KL term is added; see
-  :mod:`composer_tune.losses.sampling_correction`). Whenever the sampler's log-probs are given,
-  their gap to the trainer's is logged.
+  :mod:`composer_tune.losses.sampling_correction`; a NaN sampler log-prob gets weight 1, as in
+  TRL). Whenever the sampler's log-probs are given, their gap to the trainer's is logged, over
+  the tokens whose sampler log-prob is not NaN.
 * Aggregation of the masked token losses:
 
   ============  =====================================================================

@@ -14,8 +14,11 @@ ratio ``exp(old_logp - sampling_logp)``. The semantics are TRL 1.16's
   zeroed likewise.
 
 Inactive tokens get ratio 1 (their log-prob gap is masked to 0 first, as in TRL); the policy
-loss masks them anyway. :func:`composer_tune.losses.policy.policy_loss` multiplies the policy
-term of each token's loss by these weights before adding the KL term, TRL's order.
+loss masks them anyway. A sampler log-prob of NaN (vLLM can report one for a token it could not
+score; TRL maps a missing one to NaN) is treated as TRL treats it: that token's gap counts as 0,
+so its token ratio is 1 and it adds nothing to its sequence's sum, instead of turning the whole
+loss and gradient into NaN. :func:`composer_tune.losses.policy.policy_loss` multiplies the
+policy term of each token's loss by these weights before adding the KL term, TRL's order.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def sampling_correction_weights(
             f"{tuple(mask.shape)} must match old_logp {tuple(old_logp.shape)}"
         )
     log_ratio = (old_logp.detach() - sampling_logp.detach()) * mask.to(old_logp.dtype)
+    # TRL's exact step: an unscored (NaN) sampler log-prob gets no correction.
+    log_ratio = torch.nan_to_num(log_ratio, nan=0.0)
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(dim=-1, keepdim=True)
     ratio = torch.exp(log_ratio)
@@ -72,8 +77,10 @@ def sampling_mismatch_metrics(
 ) -> dict[str, Tensor]:
     """How far the sampler's log-probs are from the trainer's over the active tokens:
     ``sampling/logp_diff_abs`` (mean ``|old_logp - sampling_logp|``) and ``sampling/ratio``
-    (mean ``exp(old_logp - sampling_logp)``); 0 and 1 when no token is active."""
-    active = mask.bool()
+    (mean ``exp(old_logp - sampling_logp)``); 0 and 1 when no token is active. Tokens whose
+    sampler log-prob is NaN are left out, as TRL leaves them out of its logged gap: counting them
+    as 0 would understate the gap, counting them at all would log NaN."""
+    active = mask.bool() & ~torch.isnan(sampling_logp)
     diff = (old_logp - sampling_logp).float()[active]
     if diff.numel() == 0:
         return {"sampling/logp_diff_abs": torch.tensor(0.0), "sampling/ratio": torch.tensor(1.0)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,7 +38,13 @@ def _build_reward(spec: Any, where: str) -> Reward:
 class CompositeReward:
     """The weighted sum of several rewards, e.g. answer correctness plus a small format bonus.
 
-    ``score`` is ``sum(weight * component score)``. ``correct`` is True only if every component
+    ``score`` is ``sum(weight * component score)`` over the components that could score the
+    completion: a component returning NaN (a crashed verifier) is left out of the sum, and the
+    row is unscorable (NaN) only when every component returned NaN. This is TRL 1.16's
+    ``nansum`` over reward functions with its all-NaN rows marked unscorable, chosen so that one
+    flaky part (say a format bonus) does not throw away the answer's score; the cost is that
+    such a row's score lacks that part's term, which the other completions of its group keep.
+    ``correct`` is True only if every component
     that defines correctness says so, and None if none does. ``feedback`` joins the components'
     non-empty feedback with spaces, in component order. Each component scores the whole batch in
     one call, so batched verifiers keep their parallelism.
@@ -87,9 +94,14 @@ class CompositeReward:
         combined = []
         for results in zip(*per_component, strict=True):
             verdicts = [result.correct for result in results if result.correct is not None]
+            scored = [
+                weight * result.score
+                for weight, result in zip(self.weights, results, strict=True)
+                if not math.isnan(result.score)
+            ]
             combined.append(
                 RewardResult(
-                    score=sum(w * r.score for w, r in zip(self.weights, results, strict=True)),
+                    score=sum(scored) if scored else math.nan,
                     correct=all(verdicts) if verdicts else None,
                     feedback=" ".join(result.feedback for result in results if result.feedback),
                 )
