@@ -29,6 +29,8 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/bench_rl_step.py` from anywh
 
 import torch  # noqa: E402
 
+from composer_tune.run.loop import epoch_batches  # noqa: E402
+
 PHASES = ("generation", "reward", "old log-prob pass", "train forward", "backward + AdamW")
 
 
@@ -79,17 +81,16 @@ class Variant:
         self.completion_tokens: list[float] = []
 
     def step(self, samples: list[dict[str, Any]], clock: "PhaseClock") -> None:
-        from composer_tune.channels.policy import group_advantages
-
+        """``GRPORecipe.train()``'s loop body for one generation batch of ``samples``."""
         recipe = self.recipe
         clock.begin()
-        rollout = recipe._rollout(samples)
-        advantages = (
-            group_advantages(rollout, recipe.loss_cfg, recipe.cfg.group_size, recipe.dist)
-            * recipe.cfg.advantage_sign
-        )
-        recipe._optimizer_step(rollout, advantages, on_policy=recipe._on_policy())
-        recipe.step += 1
+        rollout = recipe.run.rollout(samples, recipe.objective.reference)
+        batch = recipe.objective.prepare(rollout, advantage_sign=recipe.cfg.advantage_sign)
+        for _, step in batch.optimizer_steps(
+            recipe.cfg.steps_per_generation, recipe.cfg.num_iterations
+        ):
+            recipe._optimizer_step(step)
+            recipe.run.progress.step += 1
         self.steps.append(clock.end())
         self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
 
@@ -126,15 +127,16 @@ class PhaseClock:
 
 def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
     """Wrap the functions the recipe calls for each phase (module globals it looks up)."""
-    import recipes.grpo
+    from composer_tune.channels import composer
     from composer_tune.rollout import rollouts
 
     rollouts.generate = clock.wrap("generation", rollouts.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
-    recipes.grpo.sequence_logprobs = clock.wrap("train forward", recipes.grpo.sequence_logprobs)
+    composer.sequence_logprobs = clock.wrap("train forward", composer.sequence_logprobs)
     for variant in variants:
-        variant.recipe.reward = clock.wrap("reward", variant.recipe.reward)
-        engine = variant.recipe.engine  # rollout.engine=vllm: sampling and the weight push
+        task = variant.recipe.run.task
+        task.reward = clock.wrap("reward", task.reward)
+        engine = variant.recipe.run.engine  # rollout.engine=vllm: sampling and the weight push
         if engine is not None:
             engine.generate = clock.wrap("generation", engine.generate)
             engine.sync_weights = clock.wrap("generation", engine.sync_weights)
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         clock = PhaseClock()
         clock_phases(clock, variants)
         # Every variant sees the same prompt batches: the first variant's data order.
-        batches = variants[0].recipe._prompt_batches()
+        first = variants[0].recipe.run
+        batches = epoch_batches(first.task.loader, first.task.sampler, first.progress)
         for _ in range(steps):
             samples = next(batches)
             for variant in variants:

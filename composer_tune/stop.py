@@ -19,10 +19,12 @@ import sys
 from types import FrameType
 from typing import Any
 
-from composer_tune.distributed import DistInfo, any_rank
+# STOPPED_EXIT_CODE is defined with the process-exit helpers it also serves; a recipe imports it
+# from here, with the rest of graceful stop.
+from composer_tune.distributed import STOPPED_EXIT_CODE, DistInfo, any_rank
 
-# The shell's convention for a process ended by SIGINT (128 + 2): scripts see "interrupted".
-STOPPED_EXIT_CODE = 130
+__all__ = ["STOPPED_EXIT_CODE", "StopRequest", "print_stopped"]
+
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -57,7 +57,7 @@ def _setup_error(tmp_path: Path, *overrides: str) -> str:
 
 @pytest.fixture
 def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sft.SFTRecipe, "_setup_model", _trap)
+    monkeypatch.setattr(sft, "build_model", _trap)
 
 
 @pytest.fixture

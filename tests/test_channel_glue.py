@@ -13,12 +13,13 @@ from composer_tune import config
 from composer_tune.channels.composer import ComposerChannels
 from composer_tune.channels.policy import step_normalization
 from composer_tune.channels.sdpo.teacher import (
+    EMATeacher,
     ema_teacher_state,
     load_ema_teacher_state,
     sdpo_config_from,
 )
 from composer_tune.distributed import DistInfo
-from composer_tune.losses import EMATeacher, PolicyLossConfig
+from composer_tune.losses import PolicyLossConfig
 from composer_tune.models import qwen3_tiny
 from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
 from recipes.grpo import GRPOConfig, GRPORecipe
@@ -127,7 +128,7 @@ def test_random_init_is_the_same_whatever_the_rank_seeded(
         instance = {"grpo": GRPORecipe, "sdpo": SDPORecipe}[recipe](cfg)
         training.set_seed(seed=cfg.seed + rank_offset)  # what rank 1's set_seed does
         instance.setup()
-        weights.append({k: v.clone() for k, v in instance.model.state_dict().items()})
+        weights.append({k: v.clone() for k, v in instance.run.model.state_dict().items()})
         instance.cleanup()
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from composer_tune import config
 from composer_tune.checkpointing.run_state import latest_checkpoint
+from composer_tune.run.loop import TIMING_METRICS
 from recipes.composer_full import ComposerFullConfig, ComposerFullRecipe
-from recipes.grpo import TIMING_METRICS, GRPOConfig, GRPORecipe
+from recipes.grpo import GRPOConfig, GRPORecipe
 from recipes.replay_dpo import ReplayDPOConfig, ReplayDPORecipe
 from recipes.sdpo import SDPOConfig, SDPORecipe
 from tests.recipe_runs import REPO_ROOT, RecipeRun, run_recipe, run_tune
@@ -91,7 +92,7 @@ def run_in_process(
     )
     instance = recipe_cls(cfg)
     instance.setup()
-    counter = ForwardCounter(instance.model)
+    counter = ForwardCounter(instance.run.model)
     instance.train()
     instance.cleanup()
     return instance, counter.calls
@@ -242,7 +243,7 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
             "dpo.reference=live",
         ],
     )
-    assert full.reference is None and full.ema_teacher is None
+    assert full.objective.reference is None and full.ema_teacher is None
     assert full.pairs is None
     assert "sdpo/valid_tokens" not in logged_metrics(tmp_path / "off")[1]
 
@@ -261,7 +262,7 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
             "eval_dataset=null",
         ],
     )
-    assert dpo.reference is None  # precomputed reference, no KL: no reference model
+    assert dpo.objective.reference is None  # precomputed reference, no KL: no reference model
     train_pairs = len(dpo.pairs.train)
     heldout_pairs = len(dpo.pairs.heldout)
     reference_batches = sum(

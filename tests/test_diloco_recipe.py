@@ -43,7 +43,8 @@ from composer_tune.checkpointing.run_state import (
 from composer_tune.diloco import split_into_fragments
 from composer_tune.distributed import DistInfo
 from composer_tune.models import qwen3_tiny
-from recipes.composer_full import TIMING_METRICS, ComposerFullConfig
+from composer_tune.run.loop import TIMING_METRICS, check_rl_batch_layout
+from recipes.composer_full import ComposerFullConfig
 from recipes.diloco import DiLoCoRecipe, DiLoCoRecipeConfig
 from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe
 
@@ -421,7 +422,8 @@ def test_layouts_that_cannot_work_are_rejected_naming_the_keys(
     recipe = DiLoCoRecipe(cfg)
     assert cfg.output_dir == str(tmp_path / "replica_1")  # each replica writes its own dir
     with pytest.raises(ValueError, match=re.escape(culprit)):
-        recipe._check_batch_layout(cfg)
+        check_rl_batch_layout(cfg, recipe.dist)  # what every RL recipe checks
+        recipe._check_sync_layout(cfg)  # and DiLoCo's sync windows
 
 
 def test_replica_id_must_fit_the_number_of_replicas(
@@ -463,7 +465,14 @@ def test_cpu_smoke_inner_loop_is_composer_fulls() -> None:
     )
     # DiLoCo checkpoints at outer-step boundaries (its save interval counts inner steps of whole
     # sync windows), so its checkpoint section is its own too.
-    own = {"diloco", "num_replicas", "max_steps", "eval_every_n_outer_steps", "checkpoint"}
+    own = {
+        "diloco",
+        "num_replicas",
+        "max_steps",
+        "eval_every_n_steps",
+        "eval_every_n_outer_steps",
+        "checkpoint",
+    }
     assert set(diloco) - own <= set(full)
     for key in sorted(set(diloco) - own):
         assert diloco[key] == full[key], key
@@ -551,8 +560,15 @@ def test_ctrl_c_stops_every_replica_after_one_sync_and_latest_finishes_the_run(
         for line in launcher.stdout:
             lines.append(line)
             # Both replicas are training (a replica still importing torch would die of the
-            # signal instead of stopping; the launcher then stops the other unsaved).
-            if sum("[step 0, outer step 0]" in seen for seen in lines) == 2:
+            # signal instead of stopping; the launcher then stops the other unsaved). Each
+            # replica prints several step-0 lines: count replicas, not lines.
+            started = {
+                replica
+                for replica in ("0", "1")
+                for seen in lines
+                if seen.startswith(f"[replica {replica}] [step 0, outer step 0]")
+            }
+            if len(started) == 2:
                 launcher.send_signal(signal.SIGINT)
                 break
         rest, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)

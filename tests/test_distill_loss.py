@@ -21,12 +21,9 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, kl_divergence
 
-from composer_tune.losses.distill import (
-    DistillConfig,
-    EMATeacher,
-    distill_loss,
-    teacher_topk,
-)
+from composer_tune.channels.sdpo.teacher import EMATeacher
+from composer_tune.distributed import DistInfo
+from composer_tune.losses.distill import DistillConfig, distill_loss, teacher_topk
 from composer_tune.models import qwen3_tiny
 
 BATCH, STUDENT_LEN, TEACHER_LEN, DIM, VOCAB = 3, 7, 10, 16, 40
@@ -497,12 +494,12 @@ def test_ema_teacher_update_state_dict_and_no_grad() -> None:
         torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6)
     assert ema.num_updates == 2
 
-    saved = ema.state_dict()
+    saved = ema.state_dict(DistInfo(world_size=1, rank=0, device=torch.device("cpu")))
     restored = EMATeacher(qwen3_tiny(vocab_size=64), rate=0.25)
-    restored.load_state_dict(saved)
+    restored.load_state_dict(saved, device=torch.device("cpu"))
     assert restored.num_updates == 2
     for name, value in restored.module.state_dict().items():
-        torch.testing.assert_close(value, saved["model"][name], rtol=0, atol=0)
+        torch.testing.assert_close(value, saved["weights"][name], rtol=0, atol=0)
     # The student's training never touches the teacher.
     tokens = torch.randint(0, 64, (2, 5))
     student(tokens).sum().backward()
@@ -535,7 +532,7 @@ def test_ema_teacher_rejects_bad_rate_and_mismatched_teacher() -> None:
     with pytest.raises(ValueError, match="shape"):
         EMATeacher(student, rate=0.1, teacher=qwen3_tiny(vocab_size=65))
     with pytest.raises(KeyError, match="num_updates"):
-        EMATeacher(student, rate=0.1).load_state_dict({"model": {}})
+        EMATeacher(student, rate=0.1).load_state_dict({"model": {}}, device=torch.device("cpu"))
 
 
 FSDP_WORKER = """
@@ -544,7 +541,9 @@ import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from composer_tune.distributed import finish_process, setup_distributed, shard_decoder
 from composer_tune.distributed import teardown_distributed
-from composer_tune.losses.distill import DistillConfig, EMATeacher, distill_loss, teacher_topk
+from composer_tune.channels.sdpo.teacher import EMATeacher
+from composer_tune.distributed import DistInfo
+from composer_tune.losses.distill import DistillConfig, distill_loss, teacher_topk
 from composer_tune.models import qwen3_tiny
 
 setup_distributed("cpu")

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from composer_tune.analysis.metrics_log import parse_metric_lines
 from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.distributed import DistInfo
+from composer_tune.run.loop import TIMING_METRICS
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
-from recipes.grpo import TIMING_METRICS
 from tests.recipe_runs import REPO_ROOT, TUNE, run_recipe, run_tune
 
 # Random weights and a reward random completions earn about half the time: fast steps.

@@ -17,7 +17,8 @@ import pytest
 from composer_tune import config
 from composer_tune.analysis.metrics_log import parse_metric_lines
 from composer_tune.checkpointing.run_state import PAUSE_IN_SAVE_ENV, latest_checkpoint
-from recipes.grpo import TIMING_METRICS, GRPOConfig, GRPORecipe
+from composer_tune.run.loop import TIMING_METRICS
+from recipes.grpo import GRPOConfig, GRPORecipe
 from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe, run_tune
 
 pytestmark = pytest.mark.slow

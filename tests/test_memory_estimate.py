@@ -3,7 +3,9 @@
 Each formula is checked against an independent source: parameter counts against the real
 (meta-device) model, per-layer saved activations against the tensors autograd actually saves,
 published model sizes and hand-computed numbers for a small shape, and the whole-step peak
-against the peak measured with the allocation profiler (bench/measure_memory.py's method).
+against the peak measured with the allocation profiler (bench/measure_memory.py's method). The
+models an estimate holds (reference, EMA teacher) and its rollout phase are checked against
+what ComposerChannels, which the RL recipes ask, says for every shipped RL config.
 """
 
 from __future__ import annotations
@@ -118,8 +120,9 @@ def _saved_bytes(layer: torch.nn.Module, batch: int, seq: int, dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [2, 8])  # GQA (keys/values expanded) and plain MHA
-def test_layer_saved_bytes_match_autograd(dtype: torch.dtype, kv_heads: int) -> None:
-    args = DecoderArgs(**{**SMALL.__dict__, "num_kv_heads": kv_heads})
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])  # q/k norms, q/k/v bias, neither
+def test_layer_saved_bytes_match_autograd(dtype: torch.dtype, kv_heads: int, family: str) -> None:
+    args = DecoderArgs(**{**SMALL.__dict__, "num_kv_heads": kv_heads, "family": family})
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = decoder_from_args(args).to(dtype)
@@ -279,7 +282,7 @@ def _write_fixture(path: Path) -> Path:
         enable_activation_checkpointing=True,
         batch_size=2,
         max_prompt_length=48,
-        max_completion_length=16,
+        max_new_tokens=16,
         num_prompts_per_generation=8,  # over all ranks: 4 per rank at world size 2
         group_size=8,
         loss={"beta": 0.04},
@@ -301,8 +304,11 @@ def test_plan_from_config_reads_keys_and_lists_assumptions(tmp_path: Path) -> No
     assert plan.optimizer_impl == "foreach"
     assert planned.args.vocab_size == 994 and planned.args.num_layers == 4
     assumed = {line.split(" = ")[0] for line in planned.assumed()}
-    assert {"gradient_accumulation_steps", "ema_teacher", "master_weights"} <= assumed
+    assert {"gradient_accumulation_steps", "master_weights"} <= assumed
     assert not {"param_dtype", "world_size", "rollout_batch_size", "prompt_len"} & assumed
+    # The models come from the recipes' ComposerChannels, not from assumptions.
+    assert not {"reference_model", "ema_teacher"} & assumed
+    assert planned.sources["reference_model"] == "channels.builds_reference_model"
 
 
 def test_plan_from_config_sdpo_ema_teacher_and_offload() -> None:
@@ -314,12 +320,27 @@ def test_plan_from_config_sdpo_ema_teacher_and_offload() -> None:
             "device": "cuda",
             "fsdp_cpu_offload": True,
             "optimizer": {"_component_": "torch.optim.AdamW", "fused": False},
-            "sdpo": {"weight": 1.0, "teacher": "ema", "ema_rate": 0.05},
+            "max_new_tokens": 16,
+            "enable_thinking": False,
+            "loss": None,
+            "sdpo": {
+                "weight": 1.0,
+                "teacher": "ema",
+                "ema_rate": 0.05,
+                "context": {"enable_thinking": False},
+                "loss": {"top_k": 20, "top_k_support": "teacher"},
+            },
         }
     )
     plan = memory.plan_from_config(cfg, world_size=4).plan
     assert plan.ema_teacher and plan.ema_dtype == "fp32"
     assert plan.cpu_offload and plan.optimizer_impl == "for-loop"  # the step runs on the host
+    # What the recipe refuses at set-up (a sharded EMA teacher without teacher-side top-k), the
+    # estimate refuses too, with the recipe's message.
+    cfg.sdpo.loss.top_k_support = "student"
+    with pytest.raises(ValueError, match="sdpo.teacher=ema under torchrun"):
+        memory.plan_from_config(cfg, world_size=4)
+    assert memory.plan_from_config(cfg, world_size=1).plan.ema_teacher
     cfg.sdpo.teacher = "current"
     assert not memory.plan_from_config(cfg).plan.ema_teacher
 
@@ -420,3 +441,112 @@ def test_cli_runs_as_a_script_for_a_bare_model() -> None:
 def test_cli_names_a_missing_config(capsys: pytest.CaptureFixture) -> None:
     assert _cli().main(["--config", "no_such_config", "--recipe", "sft"]) == 2
     assert "Unknown config 'no_such_config'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the recipes' models
+
+RL_RECIPES = ("grpo", "sdpo", "replay_dpo", "composer_full", "diloco")
+
+
+def _no_change(cfg) -> None:
+    pass
+
+
+def _kl_term(cfg) -> None:
+    cfg.loss.beta = 0.04  # channel 1's KL needs a reference model (when channel 1 is on)
+
+
+def _live_dpo(cfg) -> None:
+    cfg.dpo.reference = "live"  # channel 3 scores each batch with a reference model
+
+
+def _sdpo_weight_left_out(cfg) -> None:
+    del cfg.sdpo["weight"]  # the recipes' default is 0: channel 2 off, no EMA teacher
+
+
+def _policy_off_with_kl(cfg) -> None:
+    cfg.loss.weight = 0.0  # beta alone builds no reference when channel 1 is off
+    cfg.loss.beta = 0.04
+
+
+# Each variant, with the config sections it needs (any of them).
+VARIANTS = (
+    (_no_change, ()),
+    (_kl_term, ()),
+    (_live_dpo, ("dpo",)),
+    (_sdpo_weight_left_out, ("sdpo",)),
+    (_policy_off_with_kl, ("sdpo", "dpo")),
+)
+SHIPPED_RL_CONFIGS = [
+    pytest.param(recipe, path.stem, variant, id=f"{recipe}-{path.stem}-{variant.__name__[1:]}")
+    for recipe in RL_RECIPES
+    for path in sorted((REPO_ROOT / "recipes/configs" / recipe).glob("*.yaml"))
+    for variant, needs in VARIANTS
+    if not needs or any(yaml.safe_load(path.read_text()).get(key) for key in needs)
+]
+
+
+def _estimate_and_channels(recipe: str, name: str, variant) -> tuple:
+    """The estimate ``tools/estimate_memory.py --recipe RECIPE --config NAME`` makes of a
+    shipped config (after ``variant`` edits it), and what ComposerChannels, which the recipes
+    ask at set-up, says the run builds (8 ranks for the GPU configs, 1 for the CPU ones)."""
+    from omegaconf import OmegaConf
+
+    from composer_tune.channels.composer import ComposerChannels
+    from composer_tune.distributed import DistInfo
+
+    cli = _cli()
+    cfg = cli.read_config(cli.parse_args(["--recipe", recipe, "--config", name]))
+    # The shape decides no model's existence: a tiny one saves building Qwen3-32B (on the meta
+    # device, 2 s) and importing SmolLM2 from its wheel.
+    cfg.model = {
+        "_component_": "composer_tune.models.qwen3_tiny",
+        "max_seq_len": cfg.model.max_seq_len,
+    }
+    variant(cfg)
+    world_size = 8 if name.startswith("qwen3") else 1
+    planned = memory.plan_from_config(cfg, world_size=world_size)
+    estimate = memory.estimate_memory(planned.args, planned.plan)
+    launched = OmegaConf.merge(cfg, {"dpo": {"pairs": "pairs.jsonl"}}) if "dpo" in cfg else cfg
+    channels = ComposerChannels.from_config(launched, DistInfo(world_size, 0, torch.device("cpu")))
+    return estimate, channels
+
+
+def _models(estimate: memory.MemoryEstimate) -> set[str]:
+    names = {c.name for c in estimate.components}
+    return names & {memory.PARAMS, memory.REFERENCE, memory.EMA}
+
+
+@pytest.mark.parametrize(("recipe", "name", "variant"), SHIPPED_RL_CONFIGS)
+def test_the_estimate_builds_the_models_the_recipe_builds(recipe: str, name: str, variant) -> None:
+    estimate, channels = _estimate_and_channels(recipe, name, variant)
+    expected = {memory.PARAMS}
+    if channels.builds_reference_model:
+        expected.add(memory.REFERENCE)
+    if channels.uses_ema_teacher:
+        expected.add(memory.EMA)
+    assert _models(estimate) == expected
+    assert (memory.ROLLOUT in estimate.phases()) == channels.needs_rollouts
+
+
+def test_model_decisions_the_estimator_used_to_get_wrong() -> None:
+    """Each of these the estimator once decided from ``beta`` and ``sdpo.teacher`` alone."""
+    shipped, _ = _estimate_and_channels("sdpo", "qwen3_7b", _no_change)
+    assert memory.EMA in _models(shipped)
+    # sdpo.weight 0 (here: left out, the recipes' default): no EMA teacher in the run.
+    unweighted, channels = _estimate_and_channels("sdpo", "qwen3_7b", _sdpo_weight_left_out)
+    assert not channels.uses_ema_teacher and memory.EMA not in _models(unweighted)
+    live, _ = _estimate_and_channels("replay_dpo", "cpu_smoke", _live_dpo)
+    assert memory.REFERENCE in _models(live)  # dpo.reference: live, with beta 0
+    policy_off, _ = _estimate_and_channels("composer_full", "cpu_smoke", _policy_off_with_kl)
+    assert memory.REFERENCE not in _models(policy_off)  # beta > 0 but channel 1 is off
+
+
+def test_a_launch_supplied_pairs_source_is_not_needed_for_an_estimate() -> None:
+    """``dpo.pairs`` is null in the shipped DiLoCo configs (given on the command line): the
+    estimate still runs, and channel 3 does not change which models exist."""
+    cli = _cli()
+    cfg = cli.read_config(cli.parse_args(["--recipe", "diloco", "--config", "qwen3_7b"]))
+    assert cfg.dpo.pairs is None and cfg.dpo.weight > 0
+    plan = memory.plan_from_config(cfg, world_size=8).plan
+    assert plan.ema_teacher and not plan.reference_model

@@ -10,10 +10,12 @@ from omegaconf import OmegaConf
 from composer_tune.checkpointing.run_identity import (
     IDENTITY_FILE,
     check_resume_identity,
+    identity_defaults,
     run_identity,
 )
 from composer_tune.checkpointing.run_state import latest_checkpoint
-from tests.recipe_runs import run_recipe, run_tune
+from composer_tune.config import load_recipe_config, recipe_schema
+from tests.recipe_runs import REPO_ROOT, run_recipe, run_tune
 
 # A one-step grpo cpu_smoke run from random weights.
 QUICK = (
@@ -73,6 +75,25 @@ def test_a_checkpoint_without_identity_resumes_and_says_so(
 ) -> None:
     check_resume_identity(tmp_path, run_identity(CONFIG), allow_changes=False)
     assert "records no run identity" in capsys.readouterr().out
+
+
+def test_a_setting_the_checkpoint_predates_is_no_change_at_its_default(tmp_path: Path) -> None:
+    # A checkpoint written before the recipe had ``agent`` (or typed channel sections): its
+    # identity lacks those keys. At their defaults that is the run it was; set, it is not.
+    cfg = load_recipe_config(
+        REPO_ROOT / "recipes" / "grpo.py", "cpu_smoke", [f"output_dir={tmp_path}"]
+    )
+    identity = run_identity(cfg)
+    defaults = identity_defaults(recipe_schema(REPO_ROOT / "recipes" / "grpo.py"))
+    assert identity["agent"] is None and defaults["agent"] is None
+    older = {key: value for key, value in identity.items() if key != "agent"}
+    (tmp_path / IDENTITY_FILE).write_text(json.dumps(older, default=str))
+    check_resume_identity(tmp_path, identity, allow_changes=False, defaults=defaults)
+    with pytest.raises(ValueError, match="agent: \\(unset\\) -> None"):
+        check_resume_identity(tmp_path, identity, allow_changes=False)  # without the defaults
+    changed = {**identity, "agent": "calculator"}
+    with pytest.raises(ValueError, match="agent: \\(unset\\) -> 'calculator'"):
+        check_resume_identity(tmp_path, changed, allow_changes=False, defaults=defaults)
 
 
 @pytest.mark.slow

@@ -22,8 +22,9 @@ from composer_tune.channels.sdpo import (
     sdpo_channel_loss,
     select_teacher_rows,
 )
+from composer_tune.channels.sdpo.teacher import EMATeacher
 from composer_tune.data.tokenizer import ChatTokenizer
-from composer_tune.losses.distill import DistillConfig, EMATeacher
+from composer_tune.losses.distill import DistillConfig
 from composer_tune.models import qwen3_tiny
 from composer_tune.rollout.generation import pack_sequences
 from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs

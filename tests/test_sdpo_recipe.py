@@ -28,8 +28,9 @@ from composer_tune.channels.sdpo import (
 from composer_tune.channels.sdpo.diagnostics import gold_answer_gap, gold_answer_rollouts
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint, load_model_weights
+from composer_tune.run.loop import TIMING_METRICS
 from recipes.grpo import GRPOConfig, GRPORecipe
-from recipes.sdpo import TIMING_METRICS, SDPOConfig, SDPORecipe
+from recipes.sdpo import SDPOConfig, SDPORecipe
 from tests.recipe_runs import REPO_ROOT, RecipeRun, load_tool
 
 pytestmark = pytest.mark.slow

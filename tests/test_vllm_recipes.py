@@ -139,7 +139,7 @@ def test_composer_full_with_channel_3_alone_starts_no_engine(
         tmp_path / "dpo_only",
         [*FULL_MECHANICS, *CHANNEL_3_ONLY, "max_steps=1", "rollout.engine=vllm"],
     )
-    assert started == [] and recipe.engine is None
+    assert started == [] and recipe.run.engine is None
     # The same run with channel 1 on asks for the engine (the stub above records the call).
     with pytest.raises(AttributeError):  # the stub engine has no generate()
         run_in_process(

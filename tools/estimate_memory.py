@@ -5,8 +5,10 @@
     python tools/estimate_memory.py --model qwen3_32b --world-size 8 --batch-size 1 --seq-len 4096
 
 ``--config`` takes a bare name (``recipes/configs/<recipe>/<name>.yaml``) or a YAML path;
-``key=value`` arguments override config keys as ``tune run`` does. Flags override what the
-config says. Values neither gives are assumed (documented defaults) and listed. The model, its
+``key=value`` arguments override config keys as ``tune run`` does. Which models an RL config
+builds (reference, EMA teacher) and whether it samples rollouts are what the recipes' own
+``ComposerChannels`` says at that world size. Flags override what the config says. Values
+neither gives are assumed (documented defaults) and listed. The model, its
 assumptions and the measured error of the estimate are in docs/memory.md.
 """
 
@@ -72,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("activation-checkpointing", "checkpoint every layer"),
         ("cpu-offload", "FSDP2 CPUOffloadPolicy: params/grads/optimizer on the host"),
         ("master-weights", "fp32 sharded master weights, bf16 compute"),
-        ("reference-model", "a frozen bf16 reference copy (KL, beta > 0)"),
-        ("ema-teacher", "an EMA copy of the policy (SDPO teacher)"),
+        ("reference-model", "a frozen reference copy (default: as the recipe builds one)"),
+        ("ema-teacher", "an EMA copy of the policy (default: as the recipe builds one)"),
     ):
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, help=text)
     parser.add_argument("--gpu-gib", type=float, default=79.2, help="usable GPU memory (GiB)")

@@ -1,4 +1,4 @@
-"""Pass@1 of a Hugging Face-format Qwen3 checkpoint on GSM8K (or a slice of it).
+"""Pass@1 of a Hugging Face-format checkpoint (Llama, Qwen2 or Qwen3) on GSM8K (or a slice of it).
 
     python tools/eval_gsm8k.py outputs/grpo_cpu_smoke/checkpoints/step_0000040
     python tools/eval_gsm8k.py CKPT --source openai/gsm8k --limit 200 --max-new-tokens 512
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "checkpoint",
-        help="Hugging Face Qwen3 directory (config.json + weights), or a run checkpoint holding one "
+        help="Hugging Face directory (config.json + weights), or a run checkpoint holding one "
         "in model/",
     )
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")
@@ -65,7 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--top-p", type=float, help="nucleus sampling (only with --temperature)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode")
+    parser.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="the chat template's enable_thinking (Qwen3's thinking mode)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument(

@@ -38,13 +38,12 @@ each, e.g. one per core) and be combined into one table with ``--combine``. The 
 evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, wall time per run, generated tokens per run (see below) and the
 number of seeds.
 
-Tokens: the recipes log ``tokens_per_second`` over each logging window, not a count, nor the
-window's length, so the count cannot be read back. The ladder counts the rollout tokens each
-optimizer step trained on, from what is logged: ``completion_length/mean`` (the mean over the
-step's generation batch) times the rows per step (``num_prompts_per_generation * group_size /
-steps_per_generation`` of the run's resolved config), summed over steps and DiLoCo replicas.
-Prompt tokens, and the DPO pairs of A3/A4, are not in it. (The policy loss's ``num_tokens`` is a
-per-micro-batch mean: the same count only when a step is one micro-batch on one rank.)
+Tokens: every RL recipe logs ``tokens/generated``, the completion tokens it has sampled since
+step 0 over all its ranks (kept across a resume), at every logged step. A run's generated tokens
+are its last logged value, summed over DiLoCo replicas (each counts its own ranks); an
+evaluation's are the value at the last logged step at or before it (exact when the config's
+``logging.log_every_n_steps`` divides the evaluation cadence, as in the cpu_smoke and smollm2
+configs, which log every step). Prompt tokens, and the DPO pairs of A3/A4, are not in it.
 
 Default budget (--steps 24 --seeds 0 1 2 --eval-every 4 --diloco-sync-every 4: 15 arm-runs),
 measured with OMP_NUM_THREADS=1 on a 2-core machine shared with other jobs (load average about
@@ -59,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -90,7 +90,7 @@ from composer_tune.checkpointing.run_state import (  # noqa: E402
 from composer_tune.config import load_recipe_config  # noqa: E402
 
 TUNE = str(Path(sys.executable).parent / "tune")
-ACCURACY, REWARD, COMPLETION_LENGTH = "eval/accuracy", "reward/mean", "completion_length/mean"
+ACCURACY, REWARD, GENERATED = "eval/accuracy", "reward/mean", "tokens/generated"
 LOG_TAIL_CHARS = 4000
 # Console lines echoed while a run goes (the rest is in its run.log).
 PROGRESS_MARKERS = ("held-out accuracy", "Error", "error:")
@@ -219,11 +219,6 @@ class PlannedRun:
         """The config the run's recipe will see, checked against the recipe's schema."""
         return load_recipe_config(REPO_ROOT / self.arm.recipe, self.config, self.overrides)
 
-    def rows_per_step(self) -> float:
-        """Rollout rows one optimizer step of one process trains on (resolved config)."""
-        cfg = self.resolved_config()
-        return cfg.num_prompts_per_generation * cfg.group_size / cfg.steps_per_generation
-
     @property
     def log_path(self) -> Path:
         """The run's console output (stdout and stderr)."""
@@ -248,7 +243,6 @@ def plan_runs(
     per_arm = split_overrides(args.override, args.arms)
     shared = [
         f"max_steps={args.steps}",
-        "logging.log_every_n_steps=1",  # every step's rollout statistics (the token count)
         "logging.progress_bar=false",
         *warm_start,
     ]
@@ -381,14 +375,15 @@ def collect_metrics(run: PlannedRun) -> list[dict[str, list[list[float]]]]:
     return collected
 
 
-def generated_tokens(replica_metrics: Sequence[dict[str, list]], rows_per_step: float) -> float:
-    """Rollout tokens trained on: per logged step, rows x mean completion length; all replicas."""
-    return sum(
-        rows_per_step * value
-        for metrics in replica_metrics
-        for step, value in metrics.get(COMPLETION_LENGTH, [])
-        if step > 0  # step 0 holds only the evaluation before training
-    )
+def generated_tokens(replica_metrics: Sequence[dict[str, list]], until: float = math.inf) -> float:
+    """Completion tokens sampled up to step ``until`` (default: the whole run): each replica's
+    cumulative ``tokens/generated`` at its last logged step at or before it, summed over
+    replicas; a replica that logged none by then sampled none."""
+    total = 0.0
+    for metrics in replica_metrics:
+        logged = [value for step, value in metrics.get(GENERATED, []) if step <= until]
+        total += logged[-1] if logged else 0.0
+    return total
 
 
 def execute(run: PlannedRun, env: dict[str, str], timeout: float | None) -> dict[str, Any]:
@@ -413,8 +408,7 @@ def run_record(run: PlannedRun, status: int, wall_s: float) -> dict[str, Any]:
     }
     try:
         record["metrics"] = collect_metrics(run)
-        record["rows_per_step"] = run.rows_per_step()
-        record["generated_tokens"] = generated_tokens(record["metrics"], record["rows_per_step"])
+        record["generated_tokens"] = generated_tokens(record["metrics"])
     except (OSError, ValueError) as err:  # an unreadable log fails the run, not the ladder
         record["metrics_error"] = f"{type(err).__name__}: {err}"
     ok = status == 0 and "metrics_error" not in record
@@ -506,20 +500,12 @@ def accuracy_series(record: dict[str, Any]) -> list[list[float]]:
 
 
 def accuracy_by_tokens(record: dict[str, Any]) -> list[list[float]]:
-    """Held-out accuracy against the rollout tokens generated before it: ``[[tokens, acc]]``
-    (tokens counted as in :func:`generated_tokens`, cumulated over steps)."""
-    per_step: dict[int, float] = {}
-    for metrics in record["metrics"]:
-        for step, value in metrics.get(COMPLETION_LENGTH, []):
-            if step > 0:
-                per_step[int(step)] = per_step.get(int(step), 0.0) + value
-    rows = record.get("rows_per_step", 0.0)
-    points, total, steps = [], 0.0, sorted(per_step)
-    for step, accuracy in accuracy_series(record):
-        while steps and steps[0] <= step:
-            total += rows * per_step[steps.pop(0)]
-        points.append([total, accuracy])
-    return points
+    """Held-out accuracy against the completion tokens generated before it: ``[[tokens, acc]]``
+    (:func:`generated_tokens` up to the evaluation's step)."""
+    return [
+        [generated_tokens(record["metrics"], until=step), accuracy]
+        for step, accuracy in accuracy_series(record)
+    ]
 
 
 def reward_series(record: dict[str, Any]) -> list[list[float]]:
@@ -572,9 +558,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         *table_rows(results, settings["arms"], steps),
         "",
         "Held-out accuracy: greedy, mean ± sample std over the seeds that finished. Wall time: the "
-        "whole `tune run` (start-up and evaluations included). Generated tokens: rollout tokens "
-        "trained on, from the logs (rows per step x `completion_length/mean`, summed over steps "
-        "and replicas); prompt tokens and DPO pairs not included.",
+        "whole `tune run` (start-up and evaluations included). Generated tokens: completion tokens "
+        "sampled, the runs' logged `tokens/generated` (summed over replicas); prompt tokens and "
+        "DPO pairs not included.",
     ]
     failed = [r for r in results["runs"].values() if r["status"] != "ok"]
     if failed:

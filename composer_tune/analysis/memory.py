@@ -1,4 +1,5 @@
-"""Per-GPU peak memory of a Qwen3 training run: an analytic model, phase by phase.
+"""Per-GPU peak memory of a training run of a Llama-, Qwen2- or Qwen3-family decoder: an
+analytic model, phase by phase.
 
 A run's memory is a set of *components* (sharded parameters, optimizer states, saved
 activations, the log-prob chunk's logits, the rollout KV cache, ...), each alive during some
@@ -14,12 +15,13 @@ activations, the log-prob chunk's logits, the rollout KV cache, ...), each alive
 
 The estimated peak is the largest phase total. Layers in between need no phase of their own:
 going backward, saved activations fall and gradients rise by a fixed amount per layer, so their
-sum peaks at the last or the first layer. The saved-tensor formula of a Qwen3 layer is derived
-from the kernels torch uses (docs/memory.md walks through it) and is checked against autograd's
-saved tensors in tests/test_memory_estimate.py; bench/measure_memory.py compares whole-step
-totals with measured peaks. Figures are bytes *allocated* by torch tensors (what
-``torch.cuda.max_memory_allocated`` reports); the CUDA context, NCCL buffers and allocator
-fragmentation are covered by the reserve that :func:`fit_report` sets aside.
+sum peaks at the last or the first layer. The saved-tensor formula of a layer (each family's:
+Qwen3's q/k norms, Qwen2's q/k/v biases, Llama's neither) is derived from the kernels torch
+uses (docs/memory.md walks through it) and is checked against autograd's saved tensors in
+tests/test_memory_estimate.py; bench/measure_memory.py compares whole-step totals with measured
+peaks. Figures are bytes *allocated* by torch tensors (what ``torch.cuda.max_memory_allocated``
+reports); the CUDA context, NCCL buffers and allocator fragmentation are covered by the reserve
+that :func:`fit_report` sets aside.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from composer_tune.models import DecoderArgs
+
+if TYPE_CHECKING:
+    from composer_tune.channels.composer import ComposerChannels
 
 GIB = 2**30
 
@@ -122,13 +127,14 @@ def sharded_param_numel(args: DecoderArgs, world_size: int) -> int:
 
 
 def layer_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
-    """Bytes autograd keeps per token for one Qwen3 layer's backward (no checkpointing).
+    """Bytes autograd keeps per token for one decoder layer's backward (no checkpointing).
 
     - each of the two RMSNorms (torchtune computes in fp32) saves its fp32 input, fp32
       normalised output and fp32 rstd: ``8 D + 4``; its output cast back to the compute dtype
       is the input the next projections save: ``D * e``;
-    - the per-head q/k RMSNorms the same on ``H * hd`` and ``K * hd`` (plus an rstd per head);
-      RoPE saves only its cos/sin tables (per sequence, ignored);
+    - Qwen3's per-head q/k RMSNorms the same on ``H * hd`` and ``K * hd`` (plus an rstd per
+      head); Qwen2's q/k/v biases save nothing more; RoPE saves only its cos/sin tables (per
+      sequence, ignored);
     - SDPA (flash / memory-efficient, never an ``s x s`` matrix) saves q and k, v expanded from
       ``K`` to ``H`` heads for GQA, the output (also the output projection's input) in the
       compute dtype, and an fp32 logsumexp per head: ``4 H hd e + 4 H``;
@@ -136,7 +142,7 @@ def layer_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
     """
     d, e = args.embed_dim, compute_bytes
     norms = 2 * (8 * d + 4) + 2 * d * e
-    qk_norms = (args.num_heads + args.num_kv_heads) * (8 * args.head_dim + 4)
+    qk_norms = (args.num_heads + args.num_kv_heads) * (8 * args.head_dim + 4) if args.qk_norm else 0
     attention = 4 * args.num_heads * args.head_dim * e + 4 * args.num_heads
     mlp = 4 * args.intermediate_dim * e
     return norms + qk_norms + attention + mlp
@@ -587,8 +593,9 @@ class ConfigPlan:
 
 
 # Config keys read for each plan value, first match wins: the SFT recipe's names, then those of
-# the RL recipes (``loss.beta`` is ``PolicyLossConfig.beta``; GRPO's
-# ``num_prompts_per_generation`` counts prompts over all ranks).
+# the RL recipes (``num_prompts_per_generation`` counts prompts over all ranks). Which models an
+# RL config builds is not read from keys here: :func:`recipe_channels` asks the recipes' own
+# ComposerChannels.
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "param_dtype": ("dtype",),
     "micro_batch_size": ("micro_batch_size", "batch_size"),
@@ -602,7 +609,6 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "rollout_batch_size": ("rollout_batch_size",),
     "prompts_per_generation": ("num_prompts_per_generation",),
     "group_size": ("group_size", "num_generations"),
-    "beta": ("loss.beta", "beta"),
 }
 
 _ADAM_LIKE = ("torch.optim.AdamW", "torch.optim.Adam")
@@ -654,6 +660,33 @@ def model_args_from_config(cfg: DictConfig) -> DecoderArgs:
     return args
 
 
+def recipe_channels(cfg: DictConfig, world_size: int) -> ComposerChannels | None:
+    """What the RL recipes make of ``cfg`` at ``world_size`` ranks: the same
+    :meth:`ComposerChannels.from_config` they call at set-up, so the estimate and the run agree
+    on the models built (policy, reference, EMA teacher) and on whether rollouts run. None for
+    a config without a ``loss`` section (SFT's, or a bare model shape): no channels.
+
+    A config the recipe would refuse at this world size is refused here too (ValueError). The
+    one value it checks that a memory estimate need not have is channel 3's data source:
+    ``dpo.pairs`` left null or ``???`` for the launch command to supply is taken as given.
+    """
+    import torch
+
+    from composer_tune.channels.composer import ComposerChannels
+    from composer_tune.distributed import DistInfo
+
+    if "loss" not in cfg:
+        return None
+    if "max_new_tokens" not in cfg:
+        raise ValueError("an RL config (it has a 'loss' section) needs max_new_tokens")
+    if cfg.get("dpo") is not None and (
+        OmegaConf.is_missing(cfg.dpo, "pairs") or cfg.dpo.get("pairs") is None
+    ):
+        cfg = OmegaConf.merge(cfg, {"dpo": {"pairs": "<supplied at launch>"}})
+    launch = DistInfo(world_size=world_size, rank=0, device=torch.device("cpu"))
+    return ComposerChannels.from_config(cfg, launch)
+
+
 def plan_from_config(
     cfg: DictConfig, *, world_size: int | None = None, gpu_gib: float = 79.2, **flags: Any
 ) -> ConfigPlan:
@@ -664,10 +697,11 @@ def plan_from_config(
     (:class:`composer_tune.config.TrainingConfig`), then documented fallbacks: one sequence per
     forward; a rollout of ``num_prompts_per_generation / world_size * group_size`` rows whose
     prompts fill the model's ``max_seq_len`` less the completion (no config states a prompt
-    length); training sequences of prompt + completion (else ``max_seq_len``); a reference model
-    when ``beta > 0``; an EMA teacher when ``sdpo.teacher`` is ``ema``. With
-    ``rollout.engine: vllm`` the engine holds ``rollout.vllm.gpu_memory_utilization`` of
-    ``gpu_gib`` (the GPU's memory).
+    length); training sequences of prompt + completion (else ``max_seq_len``). A reference
+    model, an EMA teacher and the rollout phase are there exactly when the recipe builds them
+    (:func:`recipe_channels`; the ``reference_model`` and ``ema_teacher`` flags override it for
+    what-if estimates). With ``rollout.engine: vllm`` the engine holds
+    ``rollout.vllm.gpu_memory_utilization`` of ``gpu_gib`` (the GPU's memory).
     """
     from composer_tune.config import TrainingConfig
     from composer_tune.rollout.engines import VLLMSection
@@ -695,6 +729,8 @@ def plan_from_config(
         return values.get(name)
 
     take("world_size", world_size or 1, "flag" if world_size else "default: 1 rank")
+    channels = recipe_channels(cfg, values["world_size"])
+    rollouts = channels is None or channels.needs_rollouts
     for name, schema_key in (
         ("param_dtype", "dtype"),
         ("activation_checkpointing", "enable_activation_checkpointing"),
@@ -722,7 +758,9 @@ def plan_from_config(
     if rows and completion and prompt is None:
         prompt = args.max_seq_len - completion
         take("prompt_len", prompt, "default: model max_seq_len - completion")
-    if not (rows and (prompt or completion)):
+    if not rollouts:
+        take("rollout_batch_size", 0, "channels: channel 3 alone samples no rollouts")
+    elif not (rows and (prompt or completion)):
         take("rollout_batch_size", 0, "default: no rollout (no rollout batch and lengths)")
     elif completion is None:
         take("completion_len", 0, "default: no completion length")
@@ -733,21 +771,20 @@ def plan_from_config(
         else:
             take("seq_len", args.max_seq_len, "default: model max_seq_len")
 
-    beta, key = _select(cfg, "beta")
-    read("reference_model", bool(beta), f"config {key} = {beta}" if key else "default: beta 0")
-    # SDPO (recipes/sdpo.py) keeps an EMA teacher only with sdpo.teacher=ema, in float32.
-    teacher = OmegaConf.select(cfg, "sdpo.teacher", default=None)
-    sdpo_on = OmegaConf.select(cfg, "sdpo.weight", default=1) != 0
-    ema = teacher == "ema" and sdpo_on
-    read("ema_teacher", ema, f"config sdpo.teacher = {teacher}" if teacher else "default: no EMA")
+    if channels is None:
+        read("reference_model", False, "default: no channels (not an RL config)")
+        read("ema_teacher", False, "default: no channels (not an RL config)")
+    else:
+        read("reference_model", channels.builds_reference_model, "channels.builds_reference_model")
+        read("ema_teacher", channels.uses_ema_teacher, "channels.uses_ema_teacher")
     if values["ema_teacher"] and "ema_dtype" not in values:
-        take("ema_dtype", "fp32", "recipes/sdpo.py holds the EMA teacher in float32")
+        take("ema_dtype", "fp32", "the RL recipes hold the EMA teacher in float32")
     device = OmegaConf.select(cfg, "device", default=None) or schema_defaults["device"]
     states, impl, source = _optimizer(cfg, device, offload)
     take("optimizer_states", states, source)
     take("optimizer_impl", impl, f"optimizer settings, device {device}")
     take("prefill_chunk", DEFAULT_PREFILL_CHUNK, "default: rollout.generation prefill chunk")
-    engine = OmegaConf.select(cfg, "rollout.engine", default=None)
+    engine = OmegaConf.select(cfg, "rollout.engine", default=None) if rollouts else None
     take("rollout_engine", engine or "native", "config rollout.engine" if engine else "default")
     if engine == "vllm":
         vllm = VLLMSection(**OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True))

@@ -1,7 +1,8 @@
-"""Building blocks of the composer training step, shared by every recipe that trains the three
-channels together: A4 ``recipes/composer_full.py`` and ``recipes/diloco.py`` (whose inner loop is
-the A4 loop). The recipes keep the loop itself visible (rollouts, advantages, teacher contexts,
-clip, non-finite guard, optimiser step); what they would otherwise both spell out lives here.
+"""The channel step: what every RL recipe (A1 ``grpo``, A2 ``sdpo``, A3 ``replay_dpo``, A4
+``composer_full`` and DiLoCo's inner loop) does with a generation batch, written once. A1-A3 are
+this step with one or two channels on. The recipes keep the loop itself visible (rollouts, this
+step, clip, non-finite guard, optimiser step); every decision a config implies (which models
+exist, which log-probs a rollout needs, each channel's normaliser) is answered here.
 
 One optimiser step minimises ``loss.weight * policy loss + sdpo.weight * SDPO loss +
 dpo.weight * DPO loss``:
@@ -22,9 +23,12 @@ What is here:
   no forward for it.
 * channel 1's rollouts, advantages and step normalisation are shared with A1-A3:
   :mod:`composer_tune.channels.policy`.
-* :class:`ComposerObjective`: forward and backward of every channel that is on over one step's
-  micro-batches and pair batch; :class:`StepLosses` is what it returns, ``reduce()`` the step's
-  logged loss metrics over ranks.
+* :class:`ComposerObjective`: :meth:`~ComposerObjective.prepare` turns a generation batch's
+  rollouts into :class:`GenerationBatch` (channel 1's advantages, channel 2's teacher contexts,
+  the rollout metrics), whose :meth:`~GenerationBatch.optimizer_steps` are the step slices;
+  :meth:`~ComposerObjective.backward` is the forward and backward of every channel that is on
+  over one step's micro-batches and pair batch; :class:`StepLosses` is what it returns,
+  ``reduce()`` the step's logged loss metrics over ranks.
 
 Channel 3's data (:class:`~composer_tune.channels.replay_dpo.PairChannel`) and channel 2's
 config checks and EMA teacher state (:mod:`composer_tune.channels.sdpo.teacher`) are shared
@@ -33,6 +37,7 @@ with A2 and A3.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +45,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from composer_tune.channels.policy import kl_in_reward, step_normalization
+from composer_tune.channels.policy import group_advantages, kl_in_reward, step_normalization
 from composer_tune.channels.replay_dpo import DPOChannelConfig, pair_loss_backward
 from composer_tune.channels.sdpo.channel import (
     SDPOChannelConfig,
+    build_sdpo_teacher_batch,
     distilled_token_count,
     logprobs_with_sdpo,
     reduce_sdpo_metrics,
@@ -51,12 +57,17 @@ from composer_tune.channels.sdpo.channel import (
     select_teacher_rows,
 )
 from composer_tune.channels.sdpo.contexts import TeacherBatch
-from composer_tune.channels.sdpo.teacher import sdpo_config_from
+from composer_tune.channels.sdpo.teacher import (
+    EMATeacher,
+    ema_teacher_state,
+    load_ema_teacher_state,
+    sdpo_config_from,
+)
 from composer_tune.data.preference import PreferenceBatch
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses import PolicyLossConfig, needs_reference_model, policy_loss
-from composer_tune.losses.distill import EMATeacher
-from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics, sequence_logprobs
+from composer_tune.run.loop import build_model
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -73,9 +84,10 @@ class ComposerChannels:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, dist: DistInfo) -> ComposerChannels:
-        """From a recipe config's ``loss``, ``sdpo`` and ``dpo`` sections (null: defaults, i.e.
-        channel 1 at weight 1, channels 2 and 3 off); bad values raise naming the section.
-        ``dist``: the launch, which some channel-2 settings depend on."""
+        """From a recipe config's ``loss``, ``sdpo`` and ``dpo`` sections (absent or null:
+        defaults, i.e. channel 1 at weight 1, channels 2 and 3 off: A1 has neither section);
+        bad values raise naming the section. ``dist``: the launch, which some channel-2
+        settings depend on."""
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
         weight = float(section.pop("weight", 1.0))
         if weight < 0:
@@ -86,7 +98,9 @@ class ComposerChannels:
             loss=PolicyLossConfig.from_mapping(section, source="loss"),
             sdpo=sdpo_config_from(cfg, dist),
             dpo=DPOChannelConfig.from_mapping(
-                OmegaConf.to_container(cfg.dpo, resolve=True) if cfg.dpo is not None else None
+                OmegaConf.to_container(cfg.dpo, resolve=True)
+                if cfg.get("dpo") is not None
+                else None
             ),
         )
         if not (channels.policy_weight > 0 or channels.sdpo.enabled or channels.dpo.enabled):
@@ -113,6 +127,15 @@ class ComposerChannels:
         """A frozen copy of the initial policy exists only for a KL term or live DPO scoring."""
         return self.kl_reference or self.live_dpo
 
+    def reference_model(
+        self, cfg: DictConfig, dist: DistInfo, initial: str | None
+    ) -> nn.Module | None:
+        """The frozen reference, a copy of the starting policy ``initial`` (never a resumed
+        one), built only when :attr:`builds_reference_model`; None otherwise."""
+        if not self.builds_reference_model:
+            return None
+        return build_model(cfg, dist, initial, trainable=False)
+
     @property
     def kl_in_reward(self) -> bool:
         return self.policy_weight > 0 and kl_in_reward(self.loss)
@@ -120,7 +143,7 @@ class ComposerChannels:
     @property
     def uses_ema_teacher(self) -> bool:
         """Channel 2 distils from an EMA of the policy."""
-        return self.sdpo.enabled and self.sdpo.teacher == "ema"
+        return self.sdpo.uses_ema_teacher
 
     def needs_old_logp(self, on_policy: bool) -> bool:
         """Whether rollouts need the sampling policy's log-probs: off-policy steps, KL in the
@@ -137,17 +160,79 @@ class ComposerChannels:
 
 
 @dataclass
+class StepData:
+    """One optimiser step's share of a generation batch: its rollout rows (None with channel
+    3 alone), their advantages (None without channel 1) and SDPO teacher rows (None without
+    channel 2)."""
+
+    rows: RolloutBatch | None
+    advantages: torch.Tensor | None
+    teacher_rows: TeacherBatch | None
+
+    @property
+    def tokens_processed(self) -> float:
+        """Prompt + completion tokens of the rows (what tokens/s counts)."""
+        if self.rows is None:
+            return 0.0
+        return float((self.rows.prompt_lengths + self.rows.completion_lengths).sum())
+
+
+@dataclass
+class GenerationBatch:
+    """A generation batch as every channel reads it: the rollouts (None with channel 3 alone),
+    channel 1's advantages over the whole batch, channel 2's teacher contexts (built once over
+    the batch, so every row sees its group's siblings) and the rollout metrics."""
+
+    rollout: RolloutBatch | None
+    advantages: torch.Tensor | None
+    teacher_batch: TeacherBatch | None
+    metrics: dict[str, float]
+
+    @property
+    def generated_tokens(self) -> float:
+        """Tokens the policy sampled in this batch on this rank (episodes: its own turns)."""
+        if self.rollout is None:
+            return 0.0
+        return float(self.rollout.completion_mask.sum())
+
+    def optimizer_steps(
+        self, steps_per_generation: int, num_iterations: int
+    ) -> Iterator[tuple[int, StepData]]:
+        """``(iteration, step data)`` of each optimiser step on the batch: its
+        ``steps_per_generation`` equal slices, ``num_iterations`` times over (TRL's names)."""
+        rows_per_step = len(self.rollout) // steps_per_generation if self.rollout else 0
+        for iteration in range(num_iterations):
+            for index in range(steps_per_generation):
+                rows = slice(index * rows_per_step, (index + 1) * rows_per_step)
+                yield (
+                    iteration,
+                    StepData(
+                        rows=self.rollout.select(rows) if self.rollout is not None else None,
+                        advantages=self.advantages[rows] if self.advantages is not None else None,
+                        teacher_rows=select_teacher_rows(self.teacher_batch, rows)
+                        if self.teacher_batch is not None
+                        else None,
+                    ),
+                )
+
+
+@dataclass
 class StepLosses:
     """One rank's share of an optimiser step's objective, after its backward passes.
 
     ``loss``: the weighted objective summed over micro-batches (what the non-finite guard
-    checks); ``metrics``: channel 1's per-micro-batch-averaged metrics and channel 3's
-    ``dpo/*``; ``sdpo_metrics``: channel 2's per-micro-batch metrics.
+    checks); ``metrics``: channel 1's per-micro-batch-averaged metrics, channel 2's weighted
+    loss and channel 3's ``dpo/*``; ``sdpo_metrics``: channel 2's per-micro-batch metrics;
+    ``tokens``: tokens each channel's loss was taken over on this rank (``policy``, ``sdpo``,
+    ``dpo``).
     """
 
     loss: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     sdpo_metrics: list[dict[str, float]] = field(default_factory=list)
+    tokens: dict[str, float] = field(
+        default_factory=lambda: {"policy": 0.0, "sdpo": 0.0, "dpo": 0.0}
+    )
 
     def reduce(self, dist: DistInfo) -> dict[str, float]:
         """The step's logged loss metrics: rank means of ``loss`` and ``metrics``, channel 2's
@@ -161,7 +246,7 @@ class StepLosses:
 
 
 class ComposerObjective:
-    """Forward and backward of every channel that is on, for one optimiser step.
+    """What every channel that is on does with a generation batch and with one optimiser step.
 
     Args:
         model: the policy (FSDP2-sharded under torchrun).
@@ -172,6 +257,7 @@ class ComposerObjective:
         micro_batch_size: rollout rows per forward/backward.
         temperature: the sampling temperature the log-probs are taken at.
         logprob_chunk_size: sequence chunk of the log-prob and DPO computations.
+        group_size: completions per prompt (channel 1's groups).
         ema_teacher: channel 2's EMA teacher (None: the policy itself teaches).
         reference: the frozen initial policy; channel 3 reads it with ``dpo.reference: live``.
 
@@ -189,6 +275,7 @@ class ComposerObjective:
         micro_batch_size: int,
         temperature: float,
         logprob_chunk_size: int,
+        group_size: int,
         ema_teacher: EMATeacher | None = None,
         reference: nn.Module | None = None,
     ) -> None:
@@ -199,33 +286,93 @@ class ComposerObjective:
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
+        self.group_size = group_size
+        self.ema_teacher = ema_teacher
         self.teacher_model = ema_teacher.module if ema_teacher is not None else None
         self.reference = reference
 
-    def backward(
-        self,
-        rows: RolloutBatch | None,
-        advantages: torch.Tensor | None,
-        teacher_rows: TeacherBatch | None,
-        pair_batch: PreferenceBatch | None,
+    @classmethod
+    def for_recipe(
+        cls,
+        cfg: DictConfig,
+        dist: DistInfo,
+        channels: ComposerChannels,
+        model: nn.Module,
+        tokenizer: Any,
         *,
-        on_policy: bool,
+        reference: nn.Module | None = None,
+        ema_teacher: EMATeacher | None = None,
+    ) -> ComposerObjective:
+        """The step of a recipe config's channels (micro-batch size, temperature, chunk size
+        and group size from ``cfg``), with the models the recipe built for them: the frozen
+        ``reference`` (``channels.builds_reference_model``) and the ``ema_teacher``
+        (``channels.uses_ema_teacher``)."""
+        return cls(
+            model,
+            channels,
+            tokenizer=tokenizer,
+            dist=dist,
+            micro_batch_size=cfg.micro_batch_size,
+            temperature=cfg.temperature,
+            logprob_chunk_size=cfg.logprob_chunk_size,
+            group_size=cfg.group_size,
+            ema_teacher=ema_teacher,
+            reference=reference,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The channels' own checkpoint state: channel 2's EMA teacher (collective under
+        FSDP2; ``{}`` without one)."""
+        return ema_teacher_state(self.ema_teacher, self.dist)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, source: Any, cpu_offload: bool) -> None:
+        """Restores :meth:`state_dict` from a checkpoint's recipe state (read from ``source``)."""
+        load_ema_teacher_state(
+            self.ema_teacher, state, source=source, device=self.dist.device, cpu_offload=cpu_offload
+        )
+
+    def prepare(
+        self, rollout: RolloutBatch | None, *, advantage_sign: float = 1.0
+    ) -> GenerationBatch:
+        """A generation batch's rollouts (None with channel 3 alone) for every channel that is
+        on: channel 1's group-relative advantages (after the KL penalty in ``kl_mode=reward``;
+        times ``advantage_sign``, the negative control's -1) and channel 2's teacher contexts.
+        Collective (rollout metrics, batch-scaled advantages)."""
+        if rollout is None:
+            return GenerationBatch(None, None, None, {})
+        advantages = None
+        if self.channels.policy_weight > 0:
+            advantages = group_advantages(rollout, self.channels.loss, self.group_size, self.dist)
+            advantages = advantages * advantage_sign
+        teacher_batch = None
+        if self.channels.sdpo.enabled:
+            teacher_batch = build_sdpo_teacher_batch(
+                rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
+            )
+        return GenerationBatch(rollout, advantages, teacher_batch, rollout_metrics(rollout))
+
+    def backward(
+        self, step: StepData, pair_batch: PreferenceBatch | None, *, on_policy: bool
     ) -> StepLosses:
-        """Backward of the step's objective. ``rows``: its rollouts (None with channel 3
-        alone); ``advantages``: theirs (None without channel 1); ``teacher_rows``: their SDPO
-        teacher batch (None without channel 2); ``pair_batch``: this rank's training pairs
-        (None without channel 3); ``on_policy``: the rows were sampled by the current weights,
-        so channel 1's old log-probs are the current ones (TRL's shortcut)."""
+        """Backward of one optimiser step's objective over ``step``'s rows and this rank's
+        training pairs (``pair_batch``; None without channel 3). ``on_policy``: the rows were
+        sampled by the current weights, so channel 1's old log-probs are the current ones
+        (TRL's shortcut)."""
         channels, loss_cfg, dist = self.channels, self.channels.loss, self.dist
+        rows, advantages, teacher_rows = step.rows, step.advantages, step.teacher_rows
         micro_batches = rows.micro_batches(self.micro_batch_size) if rows is not None else []
         use_policy, use_sdpo = channels.policy_weight > 0, channels.sdpo.enabled
         result = StepLosses()
         if use_policy:
             normalization = step_normalization(rows, loss_cfg, dist, self.micro_batch_size)
+            result.tokens["policy"] = float(rows.completion_mask.sum())
         sdpo_normalizer = None
+        sdpo_total = 0.0
         if use_sdpo:
             # SDPO's divergence is a token mean over the step's distilled tokens on all ranks.
-            distilled = all_reduce_sum(distilled_token_count(teacher_rows).reshape(1))
+            local = distilled_token_count(teacher_rows)
+            result.tokens["sdpo"] = float(local)
+            distilled = all_reduce_sum(local.reshape(1))
             sdpo_normalizer = float(distilled.clamp(min=1)) / dist.world_size
         for index, micro in enumerate(micro_batches):
             start = index * self.micro_batch_size
@@ -253,6 +400,7 @@ class ComposerObjective:
                     )
                     result.sdpo_metrics.append(metrics)
                     loss = loss + sdpo_loss
+                    sdpo_total += float(sdpo_loss.detach())
                 else:
                     logp, entropy = sequence_logprobs(
                         self.model,
@@ -284,8 +432,11 @@ class ComposerObjective:
                 sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)
                 result.sdpo_metrics.append(metrics)
                 loss = loss + sdpo_loss
+                sdpo_total += float(sdpo_loss.detach())
             loss.backward()
             result.loss += float(loss.detach())
+        if use_sdpo:
+            result.metrics["sdpo/weighted_loss"] = sdpo_total
         if pair_batch is not None:  # channel 3: one forward over this rank's pairs
             pair_loss, pair_metrics = pair_loss_backward(
                 self.model,
@@ -296,4 +447,5 @@ class ComposerObjective:
             )
             result.loss += pair_loss
             result.metrics.update(pair_metrics)
+            result.tokens["dpo"] = float(pair_batch.packed.completion_mask.sum())
         return result

@@ -22,12 +22,13 @@ recipe adds around them so that ``recipes/replay_dpo.py`` (A3), ``recipes/compos
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -403,6 +404,42 @@ class PairChannel:
         is everyone's) and the reference table."""
         return {"pair_stream": self.stream.state_dict(), "dpo_reference": self.reference}
 
+    def evaluate_and_report(
+        self,
+        model: nn.Module,
+        reference: nn.Module | None,
+        log: Callable[[Mapping[str, float]], None],
+        *,
+        where: str,
+    ) -> dict[str, float]:
+        """:meth:`evaluate`, logged with ``log`` and printed on rank 0 as ``[where] ...``."""
+        metrics = self.evaluate(model, reference)
+        if metrics:
+            log(metrics)
+            if self.dist.is_main:
+                print(
+                    f"[{where}] held-out pairs: DPO loss {metrics['eval/dpo_loss']:.4f}, margin "
+                    f"{metrics['eval/dpo_margin']:.4f}, accuracy "
+                    f"{metrics['eval/dpo_accuracy']:.3f} over {len(self.heldout)} pairs",
+                    flush=True,
+                )
+        return metrics
+
+    def print_summary(
+        self, before: Mapping[str, float], after: Mapping[str, float], qualifier: str = ""
+    ) -> None:
+        """The run's closing line on held-out pairs (rank 0; nothing without them), against
+        the step-0 values (kept in checkpoints, so a resumed run prints the same line)."""
+        if not before or not after or not self.dist.is_main:
+            return
+        print(
+            f"held-out pairs{qualifier}: DPO accuracy before {before['eval/dpo_accuracy']:.3f} "
+            f"-> after {after['eval/dpo_accuracy']:.3f}, margin before "
+            f"{before['eval/dpo_margin']:.4f} -> after {after['eval/dpo_margin']:.4f} "
+            f"({len(self.heldout)} pairs)",
+            flush=True,
+        )
+
     def evaluate(self, model: nn.Module, reference: nn.Module | None = None) -> dict[str, float]:
         """DPO loss, margin and accuracy of ``model`` on the held-out pairs (``eval/dpo_*``;
         ``{}`` without held-out pairs); ``reference`` scores them with ``dpo.reference: live``.
@@ -483,4 +520,34 @@ def preference_loss(
         config,
         chosen_token_counts=chosen_counts,
         rejected_token_counts=rejected_counts,
+    )
+
+
+def pair_channel(
+    cfg: DictConfig,
+    dpo_cfg: DPOChannelConfig,
+    *,
+    model: nn.Module,
+    tokenizer: Any,
+    dist: DistInfo,
+    state: Mapping[str, Any],
+    resumed: bool,
+    num_replicas: int = 1,
+    replica_id: int = 0,
+) -> PairChannel | None:
+    """A recipe's :class:`PairChannel` (its seed and log-prob chunk from ``cfg``), or None
+    with channel 3 off."""
+    if not dpo_cfg.enabled:
+        return None
+    return PairChannel(
+        dpo_cfg,
+        model=model,
+        tokenizer=tokenizer,
+        dist=dist,
+        seed=cfg.seed,
+        logprob_chunk_size=cfg.logprob_chunk_size,
+        state=state,
+        resumed=resumed,
+        num_replicas=num_replicas,
+        replica_id=replica_id,
     )

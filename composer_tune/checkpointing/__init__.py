@@ -1,4 +1,7 @@
-"""Checkpoint I/O: Hugging Face-format Qwen3 directories in and out."""
+"""Checkpoints: Hugging Face-format directories of the Llama, Qwen2 and Qwen3 families in and
+out (re-exported here), and beside them in this package the run checkpoints that resume a run
+exactly (``run_state``), a run's identity (``run_identity``), GGUF import (``gguf_import``) and
+the RL recipes' SFT warm start (``warm_start``)."""
 
 from composer_tune.checkpointing.hf_checkpoint import (
     CheckpointError,

@@ -3,7 +3,7 @@
 Layout of one checkpoint::
 
     <output_dir>/checkpoints/step_0000120/
-        model/               Hugging Face Qwen3 directory (config.json, safetensors, tokenizer files)
+        model/               Hugging Face directory (config.json, safetensors, tokenizer files)
         training_state.pt    optimizer, LR scheduler, recipe state (step, data position ...)
         rng_rank{r}.pt       each rank's RNG states
 

@@ -36,10 +36,11 @@ from typing import Any
 from composer_tune.checkpointing.run_identity import (
     describe_changes,
     identity_changes,
+    identity_defaults,
     run_identity,
 )
 from composer_tune.checkpointing.run_state import MODEL_DIR, checkpoint_step, latest_checkpoint
-from composer_tune.config import load_recipe_config
+from composer_tune.config import load_recipe_config, recipe_schema
 from composer_tune.distributed import DistInfo, barrier
 from composer_tune.stop import STOPPED_EXIT_CODE
 
@@ -134,7 +135,11 @@ def _finish_warm_start_run(section: WarmStartSection) -> None:
     if checkpoint is None:
         _train(section, resume=False)
     else:
-        changes = identity_changes(checkpoint, run_identity(expected))
+        changes = identity_changes(
+            checkpoint,
+            run_identity(expected),
+            identity_defaults(recipe_schema(section.recipe)),
+        )
         if changes:
             raise ValueError(
                 f"warm start: {section.output_dir} holds a run with other settings than "

@@ -163,13 +163,14 @@ def load_recipe_config(
     path = Path(recipe_file).resolve()
     if not path.is_file():
         raise ConfigError(f"recipe file {recipe_file} does not exist")
-    return load_config(config, overrides, recipe_file=path, schema=_recipe_schema(path))
+    return load_config(config, overrides, recipe_file=path, schema=recipe_schema(path))
 
 
 @functools.cache
-def _recipe_schema(path: Path) -> type | None:
+def recipe_schema(path: str | Path) -> type | None:
     """The schema of the one ``config.parse``d function in the recipe file at ``path`` (the file
     is executed once per process, however often its configs are resolved)."""
+    path = Path(path).resolve()
     spec = importlib.util.spec_from_file_location(f"_composer_tune_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

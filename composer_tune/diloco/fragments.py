@@ -1,7 +1,7 @@
 """Split a model into Streaming DiLoCo fragments: contiguous runs of its layers.
 
 The model's direct children are its units, except that a ``ModuleList`` / ``Sequential`` child
-(a decoder's ``layers``) contributes each element as a unit, so a Qwen3 decoder's units are
+(a decoder's ``layers``) contributes each element as a unit, so the project's decoder's units are
 ``tok_embeddings, layers.0, ..., layers.{L-1}, norm, output``. Units without parameters are
 dropped and the rest are cut into ``num_fragments`` contiguous groups whose parameter counts are
 as even as the unit boundaries allow: fragment ``k`` ends at the unit boundary whose cumulative

@@ -22,6 +22,12 @@ from torchtune.modules import TransformerSelfAttentionLayer
 
 T = TypeVar("T")
 
+# The shell's convention for a process ended by SIGINT (128 + 2): scripts see "interrupted".
+# A stopped recipe exits with it (composer_tune.stop re-exports it), and so does a process
+# that ``finish_process`` ends after a KeyboardInterrupt. Defined here, below stop.py, which
+# imports this module.
+STOPPED_EXIT_CODE = 130
+
 # Set once this process starts a gloo process group: see ``finish_process``.
 _started_gloo = False
 
@@ -130,8 +136,6 @@ def finish_process(run: Callable[[], T]) -> T:
     except BaseException as error:
         if not _started_gloo:
             raise
-        from composer_tune.stop import STOPPED_EXIT_CODE  # stop imports this module
-
         sys.excepthook(type(error), error, error.__traceback__)
         status = STOPPED_EXIT_CODE if isinstance(error, KeyboardInterrupt) else 1
     else:

@@ -6,7 +6,6 @@ tensors: the model forwards that feed them live with their channels (``composer_
 from composer_tune.losses.distill import (
     DistillConfig,
     DistillOutput,
-    EMATeacher,
     TeacherTopK,
     distill_loss,
     teacher_topk,
@@ -34,7 +33,6 @@ __all__ = [
     "DPOOutput",
     "DistillConfig",
     "DistillOutput",
-    "EMATeacher",
     "KLEstimator",
     "Objective",
     "PolicyLossConfig",

@@ -61,7 +61,7 @@ Calling it from a training step (teacher = the current policy)::
         has_teacher=teacher_batch.has_teacher, config=config))
     out.loss.backward()
 
-With an :class:`EMATeacher` (its own output projection) under FSDP2, where a projection can
+With an EMA teacher (``composer_tune.channels.sdpo.teacher.EMATeacher``: its own output projection) under FSDP2, where a projection can
 only run inside its model's forward, the teacher's ``head_fn`` returns :func:`teacher_topk`
 and the student's loss takes that :class:`TeacherTopK` instead of hidden states (top-k with the
 teacher's support).
@@ -69,15 +69,13 @@ teacher's support).
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from composer_tune.losses.logprobs import OutputModule, _at_least_float32
@@ -684,105 +682,3 @@ def _check_topk_teacher(teacher: TeacherTopK, targets: Tensor, config: DistillCo
                 f"distill_loss: TeacherTopK.{name} has shape "
                 f"{tuple(getattr(teacher, name).shape)}, expected {shape}"
             )
-
-
-class EMATeacher:
-    """An exponential moving average of the student's parameters, used as the SDPO teacher.
-
-    ``update()`` (after each optimiser step) sets ``teacher = (1 - rate) * teacher + rate *
-    student`` for every parameter and copies buffers; SDPO's default rate is 0.05. The teacher
-    runs under ``torch.no_grad()`` and never receives gradients.
-
-    Args:
-        model: the student.
-        rate: EMA rate in (0, 1]; 1 makes the teacher a copy of the latest student.
-        teacher: a module of the same architecture to hold the average (its weights are
-            overwritten with the student's). None = ``copy.deepcopy(model)``, for plain modules.
-
-    Precision: with a small rate, an update below half an ulp of a bf16 parameter is lost, so
-    hold the average in float32 (pass a float32 ``teacher``; the student may be bf16).
-
-    FSDP2: build the teacher like the student (same builder, ``shard_decoder`` on the same
-    mesh) and pass it as ``teacher``. Parameters are then DTensors with the same placements as
-    the student's, and the element-wise update runs on each rank's local shards with no
-    communication (the tests check it on two gloo ranks). ``state_dict()`` then holds DTensor shards:
-    save the teacher through ``run_state.full_model_state_dict`` like the student. Its output
-    projection only runs inside its own forward, so hand its view to the loss as
-    :func:`teacher_topk` from its ``head_fn``.
-    """
-
-    def __init__(self, model: nn.Module, rate: float, teacher: nn.Module | None = None) -> None:
-        if not 0.0 < rate <= 1.0:
-            raise ValueError(f"EMATeacher: rate must be in (0, 1], got {rate}")
-        self.rate = rate
-        self.student = model
-        self.module = teacher if teacher is not None else copy.deepcopy(model)
-        self._pairs = self._matched(model, self.module)
-        self.module.requires_grad_(False)
-        self.module.eval()
-        self.num_updates = 0
-        self._copy_all()
-
-    @staticmethod
-    def _matched(model: nn.Module, teacher: nn.Module) -> list[tuple[Tensor, Tensor]]:
-        """(teacher tensor, student tensor) pairs by name: parameters, then buffers."""
-        pairs: list[tuple[Tensor, Tensor]] = []
-        for kind in ("named_parameters", "named_buffers"):
-            student = dict(getattr(model, kind)())
-            ours = dict(getattr(teacher, kind)())
-            if student.keys() != ours.keys():
-                missing = sorted(student.keys() - ours.keys())
-                extra = sorted(ours.keys() - student.keys())
-                raise ValueError(
-                    f"EMATeacher: teacher {kind[6:]} differ from the student's "
-                    f"(missing {missing[:5]}, unexpected {extra[:5]})"
-                )
-            for name, value in student.items():
-                if ours[name].shape != value.shape:
-                    raise ValueError(
-                        f"EMATeacher: {name} has shape {tuple(ours[name].shape)} in the teacher, "
-                        f"{tuple(value.shape)} in the student"
-                    )
-                pairs.append((ours[name], value))
-        return pairs
-
-    def rebind(self) -> None:
-        """Pair the teacher's tensors with the student's again, after a loader replaced them.
-
-        torchtune's ``load_from_full_model_state_dict`` (FSDP2 shards included) assigns new
-        tensors to a module instead of copying into the old ones; without this call every later
-        :meth:`update` would move the discarded tensors and the teacher would stay frozen.
-        """
-        self._pairs = self._matched(self.student, self.module)
-
-    @torch.no_grad()
-    def _copy_all(self) -> None:
-        for ours, student in self._pairs:
-            ours.copy_(student)
-
-    @torch.no_grad()
-    def update(self) -> None:
-        """Move the teacher ``rate`` of the way toward the student's current weights."""
-        parameter_ids = {id(parameter) for parameter in self.module.parameters()}
-        for ours, student in self._pairs:
-            if id(ours) in parameter_ids and ours.is_floating_point():
-                ours.lerp_(student.to(ours.dtype), self.rate)
-            else:
-                ours.copy_(student)
-        self.num_updates += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """The teacher's weights plus the EMA bookkeeping, for run checkpoints."""
-        return {
-            "rate": self.rate,
-            "num_updates": self.num_updates,
-            "model": self.module.state_dict(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (the rate comes from the config, not the file)."""
-        for key in ("num_updates", "model"):
-            if key not in state:
-                raise KeyError(f"EMATeacher state has no {key!r} (keys: {sorted(state)})")
-        self.module.load_state_dict(state["model"])
-        self.num_updates = int(state["num_updates"])

@@ -1,15 +1,17 @@
 """Per-token log-probabilities without materialising ``[B, T, V]`` logits.
 
-Qwen3's vocabulary has 151,936 entries: the float32 logits of 4,096 tokens alone take 2.5 GB, and
-a naive ``log_softmax`` plus its backward keeps several such tensors alive. Here the final
+With a large vocabulary (Qwen3's has 151,936 entries, Llama 3's 128,256) the float32 logits of
+4,096 tokens alone take 2.5 GB, and a naive ``log_softmax`` plus its backward keeps several such
+tensors alive. Here the final
 projection, the float32 log-softmax and the target gather run over chunks of rows of the
 flattened ``[B*T, D]`` hidden states, each chunk under activation checkpointing, so forward and
 backward each hold one chunk's logits at a time; only ``[B, T]`` results and the hidden states
 stay alive between them. A hand-written backward for the log-softmax-and-gather step builds a
 chunk's logit gradient in one buffer, where autograd's would allocate three to five.
 
-The Qwen3 model accepts ``head_fn`` and returns ``head_fn(h_normed, output_module)`` instead of
-its logits; :func:`logprob_head` builds that callable.
+The project's decoder (every family) accepts ``head_fn`` and returns
+``head_fn(h_normed, output_module)`` instead of its logits; :func:`logprob_head` builds that
+callable.
 """
 
 from __future__ import annotations

@@ -106,6 +106,11 @@ class SDPOChannelConfig:
     def enabled(self) -> bool:
         return self.weight > 0
 
+    @property
+    def uses_ema_teacher(self) -> bool:
+        """The channel distils from an EMA of the policy (a float32 copy the recipe builds)."""
+        return self.enabled and self.teacher == "ema"
+
 
 def build_sdpo_teacher_batch(
     rollouts: RolloutBatch, *, tokenizer: Any, cfg: SDPOChannelConfig

@@ -1,0 +1,229 @@
+"""The channel-agnostic parts of an RL recipe's run: :class:`RLRun`.
+
+Every RL recipe (A1-A4, DiLoCo's inner loop) builds the same plumbing around its channels: the
+tokenizer, the checkpoint to resume or start from, the policy, its optimizer, the prompts and
+reward, the run's progress, the rollout engine and the metric log, and it samples, steps,
+evaluates and saves the same way. That is :class:`RLRun`. What differs between the arms (which
+channels are on, the models they need, a pair stream, an EMA teacher) stays in the recipe, which
+builds its :class:`~composer_tune.channels.composer.ComposerObjective` beside the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from composer_tune import config
+from composer_tune.agents import build_agent
+from composer_tune.channels.composer import ComposerChannels, ComposerObjective, StepLosses
+from composer_tune.channels.policy import sample_rollouts
+from composer_tune.checkpointing.run_state import remove_checkpoints
+from composer_tune.checkpointing.warm_start import initial_checkpoint
+from composer_tune.distributed import DistInfo, teardown_distributed
+from composer_tune.evaluation import EvalResult
+from composer_tune.rollout.engines import build_rollout_engine
+from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.run.loop import (
+    LoopChores,
+    MetricLog,
+    PromptTask,
+    build_guard,
+    build_model,
+    build_optimizer,
+    build_sampling_generator,
+    check_rl_batch_layout,
+    clip_and_step,
+    evaluate_generation,
+    restore_run,
+    save_checkpoint,
+    start_run,
+)
+from composer_tune.run.state import RunProgress
+
+
+class RLRun:
+    """An RL run's plumbing, built in dependency order (cheap checks first, then the weights).
+
+    Args:
+        cfg: the recipe config (:class:`~composer_tune.run.schema.RLRecipeConfig`).
+        dist: this rank's place.
+        channels: the recipe's channels (what its rollouts must carry).
+        schema: the recipe's config dataclass (a resumed checkpoint that predates one of its
+            keys matches at the key's default).
+        replicas, replica_id: DiLoCo: every rank of every replica takes its own prompts and
+            sampling stream.
+        continuing: this process continues a run it has no checkpoint of (a restarted DiLoCo
+            replica): its folder may hold checkpoints.
+
+    Attributes:
+        agent (None: single-turn rollouts), tokenizer, model (the policy, from the checkpoint
+        to resume or ``initial``), optimizer,
+        lr_scheduler, task (prompts, reward, held-out set), progress (the resumable state),
+        initial (the starting checkpoint: a warm start's, ``checkpoint.initial_checkpoint`` or
+        None), current (the checkpoint the policy was loaded from), resumed, identity; and, after
+        :meth:`finish_setup`, engine and metric_log.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        dist: DistInfo,
+        channels: ComposerChannels,
+        *,
+        schema: type | None = None,
+        replicas: int = 1,
+        replica_id: int = 0,
+        continuing: bool = False,
+    ) -> None:
+        self.cfg, self.dist, self.channels = cfg, dist, channels
+        check_rl_batch_layout(cfg, dist)
+        # Agent episodes (an ``agent`` section: environments, tools, turn limits) or one turn.
+        self.agent = build_agent(cfg.agent)
+        self.tokenizer = config.instantiate(cfg.tokenizer)
+        # Stale staging, the checkpoint to resume, the run's identity (refusing another run's).
+        self._start = start_run(cfg, dist, schema=schema, continuing=continuing)
+        self.identity = self._start.identity
+        self.resumed = self._start.resume_path is not None
+        self.initial = initial_checkpoint(cfg.warm_start, cfg.checkpoint.initial_checkpoint, dist)
+        self.current = self._start.resume_path or self.initial
+        self.model = build_model(cfg, dist, self.current)
+        self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
+        self.task = PromptTask.from_config(cfg, dist, replicas=replicas, replica_id=replica_id)
+        self.progress = RunProgress(
+            guard=build_guard(cfg, dist),
+            sampling_generator=build_sampling_generator(
+                dist, cfg.seed, replica_id * dist.world_size + dist.rank
+            ),
+        )
+        self.engine: Any = None
+        self.metric_log: MetricLog | None = None
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimiser step per generation batch: the sampling policy is the current one."""
+        return self.cfg.num_iterations == 1 and self.cfg.steps_per_generation == 1
+
+    def restore(self, objective: ComposerObjective, announce: bool = True) -> dict[str, Any]:
+        """Optimizer, LR schedule, RNGs, the run's progress and ``objective``'s channel state
+        (an EMA teacher) from the checkpoint being resumed (the weights were loaded from its
+        ``model/`` by ``build_model``); returns its recipe state for the recipe's other parts
+        ({} for a fresh run). Call it once every model is built: it restores the RNGs.
+        ``announce``: print the ``resumed from`` line (a recipe with more to restore prints its
+        own)."""
+        path = self._start.resume_path
+        if path is None:
+            return {}
+        state = restore_run(
+            path, self.dist, self.model, self.optimizer, self.lr_scheduler, self.progress,
+            announce=announce,
+        )  # fmt: skip
+        objective.load_state_dict(state, source=path, cpu_offload=self.cfg.fsdp_cpu_offload)
+        return state
+
+    @property
+    def resume_path(self) -> Path | None:
+        """The checkpoint being resumed (None: a fresh run)."""
+        return self._start.resume_path
+
+    def finish_setup(self) -> None:
+        """Set-up's last acts, once the config and inputs are validated (a start that fails
+        writes no log or config record into ``output_dir``): the rollout engine, from the
+        policy's current weights (none when channel 3 alone samples nothing), the metric log,
+        and deleting the checkpoints ``replace_existing`` replaces."""
+        if self.channels.needs_rollouts:
+            self.engine = build_rollout_engine(
+                self.cfg, self.model, self.dist, step=self.progress.step
+            )
+        self.metric_log = MetricLog(self.cfg, self.dist, self.progress)
+        if self.dist.is_main:
+            remove_checkpoints(self._start.replaced)
+
+    def chores(
+        self, evaluate: Callable[[], Any], save: Callable[[], Path], **options: Any
+    ) -> LoopChores:
+        """The loop's chores (logging, evaluation, checkpoints, stop) for this run."""
+        return LoopChores(
+            self.cfg, self.dist, self.progress, log=self.metric_log.log, evaluate=evaluate,
+            save_checkpoint=save, **options,
+        )  # fmt: skip
+
+    def rollout(
+        self, samples: list[dict[str, Any]], reference: Any = None, *, push_always: bool = False
+    ) -> RolloutBatch:
+        """``group_size`` scored completions (agent episodes with an ``agent`` section) per prompt
+        of ``samples`` with the log-probs the channels read (``reference``: a frozen model whose log-probs a KL term reads). A vLLM
+        engine gets the policy's weights unless it holds this step's already; ``push_always``:
+        weights change between steps too (DiLoCo's syncs), so push every time."""
+        return sample_rollouts(
+            self.model,
+            samples,
+            self.cfg,
+            tokenizer=self.tokenizer,
+            reward=self.task.reward,
+            generator=self.progress.sampling_generator,
+            reference=reference if self.channels.kl_reference else None,
+            compute_old_logp=self.channels.needs_old_logp(self.on_policy),
+            sync_ranks=self.dist.is_distributed,
+            engine=self.engine,
+            policy_version=None if push_always else self.progress.step,
+            agent=self.agent,
+        )
+
+    def apply(
+        self,
+        losses: StepLosses,
+        *,
+        after_update: Callable[[], None] | None = None,
+        step_when_skipped: bool = False,
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Clip, guard and step on the gradients of ``losses``' backward (``after_update``:
+        e.g. an EMA teacher's update); returns the step's metrics (collective) and the tokens
+        each channel trained on."""
+        grad_norm = clip_and_step(
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.progress.guard,
+            step=self.progress.step + 1,
+            loss=losses.loss,
+            max_norm=self.cfg.clip_grad_norm,
+            after_update=after_update,
+            step_when_skipped=step_when_skipped,
+        )
+        metrics = {
+            **losses.reduce(self.dist),
+            "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            **self.progress.guard.metrics(),
+        }
+        return metrics, losses.tokens
+
+    def evaluate_generation(self, where: str | None = None) -> EvalResult | None:
+        """Greedy held-out accuracy of the policy (None without a held-out set), logged and
+        printed at ``where`` (default: the current step)."""
+        return evaluate_generation(
+            self.cfg, self.dist, self.model, self.tokenizer, self.task.eval_dataset,
+            self.task.eval_reward, self.metric_log,
+            where=where or f"step {self.progress.step}", agent=self.agent,
+        )  # fmt: skip
+
+    def save_checkpoint(
+        self, extra_state: Mapping[str, Any] | None = None, *, where: str = ""
+    ) -> Path:
+        """A run checkpoint of the current step with ``extra_state`` (the channels' own parts);
+        collective."""
+        return save_checkpoint(
+            self.cfg, self.dist, self.model, self.optimizer, self.lr_scheduler, self.progress,
+            self.identity, extra_state=extra_state, where=where,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stops the engine, closes the metric log, leaves the process group."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.metric_log is not None:
+            self.metric_log.close()
+        teardown_distributed()

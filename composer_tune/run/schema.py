@@ -1,0 +1,64 @@
+"""The config schema the RL recipes share (A1-A4 and DiLoCo's inner loop).
+
+:class:`RLRecipeConfig` extends :class:`~composer_tune.config.TrainingConfig` with what every
+recipe that samples rollouts reads: prompts, reward, sampling, the step layout, channel 1's
+``loss`` section, evaluation and the rollout engine. A recipe adds only its own sections
+(``sdpo``: :class:`SDPOChannelConfig`, ``dpo``: :class:`DPOChannelConfig`, DiLoCo's outer loop),
+typed the same in every recipe that has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from composer_tune.channels.replay_dpo import DPOChannelConfig
+from composer_tune.channels.sdpo.channel import SDPOChannelConfig
+from composer_tune.checkpointing.warm_start import WarmStartSection
+from composer_tune.config import TrainingConfig
+from composer_tune.rollout.engines import RolloutSection
+
+__all__ = ["DPOChannelConfig", "RLRecipeConfig", "SDPOChannelConfig"]
+
+
+@dataclass
+class RLRecipeConfig(TrainingConfig):
+    dataset: Any = MISSING  # training prompts in the sample convention (prompt + answer)
+    reward: Any = MISSING  # verifiable reward scoring the sampled completions
+    eval_dataset: Any = None  # held-out prompts; null skips evaluation
+    eval_reward: Any = None  # null: the training reward decides held-out correctness
+    # The supervised run to start from; trained first if it has no checkpoint. Mutually
+    # exclusive with checkpoint.initial_checkpoint.
+    warm_start: WarmStartSection | None = None
+    # Prompts per generation batch over all ranks (each rank takes an equal share).
+    num_prompts_per_generation: int = 16
+    group_size: int = 8  # completions per prompt (G)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    # Optimiser steps the generation batch is split into, and passes over it (TRL's names).
+    steps_per_generation: int = 1
+    num_iterations: int = 1
+    micro_batch_size: int = 32  # completions per forward/backward on each rank
+    # Channel 1: ``weight`` (default 1; 0 turns the policy loss off) and a PolicyLossConfig
+    # mapping (objective, epsilon_low/high, beta, kl_estimator, kl_mode, scale_rewards,
+    # mask_truncated_completions, ...). max_completion_length defaults to max_new_tokens.
+    loss: Any = None
+    # Debug knob for negative controls: -1 flips every advantage (the run must then get worse).
+    advantage_sign: float = 1.0
+    # FSDP2 CPU offload of parameters, gradients and optimizer state (policy and reference).
+    fsdp_cpu_offload: bool = False
+    enable_thinking: bool = False
+    eval_every_n_steps: int = 0  # 0: evaluate only before and after training
+    eval_batch_size: int = 64
+    eval_max_new_tokens: int = 16
+    # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
+    max_consecutive_nonfinite_steps: int = 3
+    # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    # Agent episodes instead of single-turn completions (composer_tune/agents): an
+    # environment, tools and the episode limits; null samples one assistant turn per row.
+    agent: Any = None
