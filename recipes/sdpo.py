@@ -91,8 +91,7 @@ class SDPORecipe:
             while progress.step < cfg.max_steps:
                 # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
                 rollout = run.rollout(next(prompts), self.objective.reference)
-                # 2-3. Group-relative advantages and SDPO's teacher contexts (hints), once per
-                # batch so every row sees all its siblings.
+                # 2-3. Advantages and SDPO's hinted teacher contexts (each row sees its group).
                 batch = self.objective.prepare(rollout, advantage_sign=cfg.advantage_sign)
                 # 4. Optimiser steps on its slices, num_iterations times (logged, evaluated).
                 chores.train_on(batch, self._optimizer_step)
