@@ -499,7 +499,10 @@ class ComposerStep:
         self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
 
     def close(self) -> None:
-        self.recipe.cleanup()
+        # The engine only: the recipe's cleanup would also destroy the process group, which
+        # another side's in-process vLLM engine still uses.
+        if self.recipe.run.engine is not None:
+            self.recipe.run.engine.close()
 
 
 # ----------------------------------------------------------------------------- TRL
