@@ -1,10 +1,11 @@
-"""config key ``autocast: bf16``: bf16 matmuls in every forward, fp32 weights and gradients."""
+"""config key ``autocast: bf16``: bf16 matmuls in every forward, fp32 weights and gradients;
+``auto``: bf16 only where the device multiplies it natively."""
 
 import pytest
 import torch
 
 from composer_tune.models import qwen3_tiny
-from composer_tune.models.build import enable_autocast
+from composer_tune.models.build import enable_autocast, resolve_autocast
 from composer_tune.rollout import generate
 
 
@@ -31,9 +32,20 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_fp32_weights() -> None:
 
 def test_unknown_autocast_dtype_is_named() -> None:
     with pytest.raises(
-        ValueError, match="autocast must be null or one of \\['bf16'\\], got 'fp16'"
+        ValueError, match="autocast must be null or one of \\['auto', 'bf16'\\], got 'fp16'"
     ):
         enable_autocast(_model(), "fp16", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch, native) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    assert resolve_autocast("auto", "cpu") == ("bf16" if native else None)
+    assert resolve_autocast("auto", "cuda") == "bf16"
+    assert resolve_autocast("bf16", "cpu") == "bf16" and resolve_autocast(None, "cpu") is None
+    model = _model()
+    enable_autocast(model, "auto", torch.device("cpu"))
+    assert getattr(model, "autocast_dtype", None) == (torch.bfloat16 if native else None)
 
 
 def test_generation_under_bf16_autocast_builds_bf16_caches_and_tracks_fp32_greedy() -> None:

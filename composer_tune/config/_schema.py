@@ -50,7 +50,8 @@ class TrainingConfig:
     device: str = "cpu"
     # "fp32" or "bf16" (bf16 only where the device supports it).
     dtype: str = "fp32"
-    # null or "bf16": forwards under torch.autocast with fp32 weights (models.build.enable_autocast).
+    # null, "bf16" or "auto" (bf16 where the device multiplies it natively, else fp32): forwards
+    # under torch.autocast with fp32 weights (models.build.enable_autocast).
     autocast: str | None = None
     model: Any = MISSING
     tokenizer: Any = MISSING
