@@ -21,9 +21,9 @@ sides elsewhere: on an AVX2-only CPU a bf16 matmul runs ~65x slower than an fp32
 composer-tune's step is ``GRPORecipe`` itself, built from the cpu_smoke config (``smollm2``: the
 smollm2 config) with overrides, driven one generation batch at a time through the same methods
 its ``train()`` loop calls (``_rollout`` -> ``group_advantages`` -> ``_optimizer_step``); each
-``--variant`` adds config overrides (e.g. ``rollout.engine=vllm``) and ``shared_prefix_forward``
-(default true) runs the training forward with each group's prompt once
-(``composer_tune.rollout.shared_prefix``). TRL's step is one optimiser step of
+``--variant`` adds config overrides (e.g. ``rollout.engine=vllm``; ``shared_prefix_forward=false``
+runs one row per completion instead of each group's prompt once,
+``composer_tune.rollout.shared_prefix``). TRL's step is one optimiser step of
 ``trainer.train()``, timed by a callback from ``on_step_begin`` (before TRL generates) to
 ``on_step_end`` (after its optimiser step). Timing runs every side in ONE process, alternating
 TRL step / each composer-tune variant's step, so load from other processes hits all alike; peak
@@ -59,9 +59,8 @@ from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
 from composer_tune.models import qwen3_tiny  # noqa: E402
+from composer_tune.models.build import native_bf16  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
-from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs  # noqa: E402
-from composer_tune.rollout.shared_prefix import shared_prefix_logprobs  # noqa: E402
 
 TOKENIZER_DIR = REPO_ROOT / "tests" / "assets" / "tokenizer"
 SMOLLM2_CONFIG = REPO_ROOT / "recipes" / "configs" / "grpo" / "smollm2.yaml"
@@ -98,8 +97,6 @@ SMOLLM2_VARIANTS = [
     "rollout.engine=native optimizer.fused=true",
     "rollout.engine=vllm optimizer.fused=true",
 ]
-# The bench's own switch until the recipes have one (the name proposed for their config).
-SHARED_PREFIX_KEY = "shared_prefix_forward"
 # --sweep: (max new tokens, group size) points; every completion runs to the cap.
 SWEEP_POINTS = [(24, 8), (64, 8), (128, 8), (256, 8), (24, 4), (24, 16)]
 NOT_EQUAL = [
@@ -155,8 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variant",
         action="append",
         default=[],
-        help="a composer-tune side: space-separated config overrides, plus "
-        f"{SHARED_PREFIX_KEY}=true|false (default true); repeat to compare "
+        help="a composer-tune side: space-separated config overrides (e.g. "
+        "shared_prefix_forward=false); repeat to compare "
         f"(default: the config as is; smollm2: {' / '.join(SMOLLM2_VARIANTS)})",
     )
     parser.add_argument(
@@ -207,18 +204,6 @@ def variant_label(args: argparse.Namespace, index: int) -> str:
     return "composer-tune" if len(args.variant) == 1 else f"composer-tune[{index}]"
 
 
-def split_variant(overrides: str) -> tuple[list[str], bool]:
-    """A variant's config overrides and whether it uses the shared-prefix forward."""
-    shared_prefix, rest = True, []
-    for item in overrides.split():
-        key, _, value = item.partition("=")
-        if key == SHARED_PREFIX_KEY:
-            shared_prefix = value.lower() in ("true", "1", "yes")
-        else:
-            rest.append(item)
-    return rest, shared_prefix
-
-
 # ----------------------------------------------------------------------------- shared inputs
 
 
@@ -242,11 +227,6 @@ def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> Path:
         generation_config={"eos_token_id": tokenizer.stop_tokens, "pad_token_id": tokenizer.pad_id},
     )
     return directory
-
-
-def native_bf16(device: str) -> bool:
-    """Whether bf16 matmuls run natively: a GPU, or a CPU with AVX512-BF16 (AMX has it too)."""
-    return device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
 
 
 def enable_thinking(args: argparse.Namespace) -> bool | None:
@@ -349,51 +329,6 @@ def median_phase(steps: list[dict[str, float]], phase: str) -> float:
 # ----------------------------------------------------------------------------- composer-tune
 
 
-class SharedPrefixTrainForward:
-    """Stands in for the channel step's training forward
-    (``composer_tune.channels.composer.sequence_logprobs``).
-
-    With a rollout set (a shared-prefix side's step), each micro-batch runs through
-    ``shared_prefix_logprobs``, its groups read from the rollout: the recipe's micro-batches
-    are consecutive row slices of it, in order (checked). Without one, the plain forward. The
-    channel step has no shared-prefix switch yet; once it does, this goes.
-    """
-
-    def __init__(self) -> None:
-        self.rollout: RolloutBatch | None = None
-        self.next_row = 0
-
-    def use(self, rollout: RolloutBatch | None) -> None:
-        self.rollout, self.next_row = rollout, 0
-
-    def __call__(
-        self,
-        model: Any,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        mask: torch.Tensor,
-        **kw: Any,
-    ) -> Any:
-        if self.rollout is None:
-            return sequence_logprobs(model, tokens, input_pos, mask, **kw)
-        rows = slice(self.next_row, self.next_row + tokens.shape[0])
-        self.next_row = rows.stop
-        if not torch.equal(tokens, self.rollout.tokens[rows, : tokens.shape[1]]):
-            raise RuntimeError("the recipe's micro-batches are not its rollout's rows in order")
-        return shared_prefix_logprobs(
-            model,
-            tokens,
-            input_pos,
-            mask,
-            group_ids=self.rollout.group_ids[rows],
-            prompt_lengths=self.rollout.prompt_lengths[rows],
-            **kw,
-        )
-
-
-TRAIN_FORWARD = SharedPrefixTrainForward()
-
-
 class _NoStops:
     """The recipe's tokenizer with no stop tokens (``--no-stop``): rows run to the cap."""
 
@@ -457,18 +392,16 @@ def composer_overrides(args: argparse.Namespace, checkpoint: Path, output_dir: P
 
 class ComposerStep:
     """``recipes/grpo.py``'s GRPORecipe, one generation batch (= one optimiser step) per call,
-    for one ``--variant`` (config overrides + the shared-prefix switch)."""
+    for one ``--variant`` (config overrides)."""
 
     def __init__(
         self, args: argparse.Namespace, checkpoint: Path, output_dir: Path, variant: str
     ) -> None:
-        from composer_tune.channels import composer
         from recipes.grpo import GRPOConfig, GRPORecipe
 
-        overrides, self.shared_prefix = split_variant(variant)
         cfg = config.load_config(
             "smollm2" if args.model == "smollm2" else "cpu_smoke",
-            [*composer_overrides(args, checkpoint, output_dir), *overrides],
+            [*composer_overrides(args, checkpoint, output_dir), *variant.split()],
             recipe_file=REPO_ROOT / "recipes" / "grpo.py",
             schema=GRPOConfig,
         )
@@ -476,8 +409,6 @@ class ComposerStep:
         self.recipe.setup()
         if args.no_stop:
             self.recipe.run.tokenizer = _NoStops(self.recipe.run.tokenizer)
-        if not isinstance(composer.sequence_logprobs, SharedPrefixTrainForward):
-            composer.sequence_logprobs = TRAIN_FORWARD
         self.steps: list[dict[str, float]] = []
         self.completion_tokens: list[float] = []
 
@@ -485,17 +416,10 @@ class ComposerStep:
         # GRPORecipe.train()'s loop body with steps_per_generation = num_iterations = 1.
         recipe = self.recipe
         rollout = recipe.run.rollout(samples, recipe.objective.reference)
-        TRAIN_FORWARD.use(rollout if self.shared_prefix else None)
         batch = recipe.objective.prepare(rollout, advantage_sign=recipe.cfg.advantage_sign)
         for _, step in batch.optimizer_steps(1, 1):
             recipe._optimizer_step(step)
             recipe.run.progress.step += 1
-        if self.shared_prefix and TRAIN_FORWARD.next_row != len(rollout):
-            raise RuntimeError(
-                "the channel step no longer trains through composer.sequence_logprobs: "
-                "update SharedPrefixTrainForward to its shared-prefix switch"
-            )
-        TRAIN_FORWARD.use(None)
         self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
 
     def close(self) -> None:
@@ -637,7 +561,7 @@ def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
 
     rollouts.generate = clock.wrap("generation", rollouts.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
-    composer.sequence_logprobs = clock.wrap("train log-prob forward", composer.sequence_logprobs)
+    composer.rollout_logprobs = clock.wrap("train log-prob forward", composer.rollout_logprobs)
     for step in steps:
         run = step.recipe.run
         run.task.reward = clock.wrap("reward", run.task.reward)

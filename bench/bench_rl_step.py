@@ -132,7 +132,7 @@ def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
 
     rollouts.generate = clock.wrap("generation", rollouts.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
-    composer.sequence_logprobs = clock.wrap("train forward", composer.sequence_logprobs)
+    composer.rollout_logprobs = clock.wrap("train forward", composer.rollout_logprobs)
     for variant in variants:
         task = variant.recipe.run.task
         task.reward = clock.wrap("reward", task.reward)

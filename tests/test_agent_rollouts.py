@@ -77,6 +77,7 @@ def test_episode_rollout_batch_trains_only_on_model_tokens(tiny) -> None:
             "top_k": None,
             "top_p": None,
             "logprob_chunk_size": 1024,
+            "shared_prefix_forward": True,  # the group's episodes share their first prompt
         },
     )
     batch = sample_rollouts(

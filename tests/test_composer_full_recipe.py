@@ -318,3 +318,26 @@ def test_fsdp_two_processes(tmp_path: Path) -> None:
     for step in (1, 2):
         assert math.isfinite(fsdp[step]["loss"]) and fsdp[step]["sdpo/valid_tokens"] > 0
     assert latest_checkpoint(tmp_path / "all_fsdp").name == "step_0000002"
+
+
+def test_shared_prefix_forward_changes_no_logged_value(tmp_path: Path) -> None:
+    """All three channels with each group's prompt run once (the default) and with one row per
+    completion: the same first step, every logged value equal up to fp32 rounding."""
+    common = [*FULL_MECHANICS, "max_steps=1", "lr_scheduler=null"]
+    logs = {}
+    for shared in (True, False):
+        output_dir = tmp_path / f"shared_{shared}"
+        full, _ = run_in_process(
+            ComposerFullRecipe,
+            ComposerFullConfig,
+            "composer_full",
+            output_dir,
+            [*common, f"shared_prefix_forward={str(shared).lower()}"],
+        )
+        assert full.objective.shared_prefix is shared
+        logs[shared] = logged_metrics(output_dir)[1]
+    shared_log, plain_log = logs[True], logs[False]
+    assert shared_log.keys() == plain_log.keys()
+    assert shared_log["sdpo/valid_tokens"] > 0 and math.isfinite(shared_log["dpo/loss"])
+    for name, value in plain_log.items():
+        assert shared_log[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name

@@ -52,19 +52,22 @@ def tiny_model(seed: int = 0) -> nn.Module:
     return qwen3_tiny(vocab_size=994, initializer_range=0.2)
 
 
-def rollout_batch(tokenizer: ChatTokenizer) -> RolloutBatch:
-    """Three hand-made rollouts of three prompts (one group each)."""
-    samples = [
-        {"id": f"q{i}", "prompt": [{"role": "user", "content": q}], "answer": a}
-        for i, (q, a) in enumerate(zip(QUESTIONS, ANSWERS, strict=True))
-    ]
+def packed_rollouts(
+    tokenizer: ChatTokenizer,
+    samples: list[dict],
+    texts: Sequence[str],
+    correct: Sequence[bool],
+    feedback: Sequence[str],
+    group_ids: torch.Tensor,
+) -> RolloutBatch:
+    """Rows of ``samples`` (one per row) answered with ``texts``, packed as collect_rollouts does."""
     prompts = [
         tokenizer.tokenize_messages(s["prompt"], add_generation_prompt=True, enable_thinking=False)[
             0
         ]
         for s in samples
     ]
-    completions = [tokenizer.encode(text) + [tokenizer.eos_id] for text in COMPLETIONS]
+    completions = [tokenizer.encode(text) + [tokenizer.eos_id] for text in texts]
     packed = pack_sequences(prompts, completions, tokenizer.pad_id)
     rows = len(samples)
     return RolloutBatch(
@@ -73,15 +76,26 @@ def rollout_batch(tokenizer: ChatTokenizer) -> RolloutBatch:
         completion_mask=packed.completion_mask,
         old_logp=torch.zeros(packed.tokens.shape, dtype=torch.float32),
         ref_logp=None,
-        rewards=torch.tensor([float(c) for c in CORRECT]),
-        correct=torch.tensor(CORRECT),
-        feedback=list(FEEDBACK),
+        rewards=torch.tensor([float(c) for c in correct]),
+        correct=torch.tensor(list(correct)),
+        feedback=list(feedback),
         truncated=torch.zeros(rows, dtype=torch.bool),
         prompt_lengths=packed.prompt_lengths,
         completion_lengths=packed.completion_lengths,
-        group_ids=torch.arange(rows),
-        texts=list(COMPLETIONS),
+        group_ids=group_ids,
+        texts=list(texts),
         samples=samples,
+    )
+
+
+def rollout_batch(tokenizer: ChatTokenizer) -> RolloutBatch:
+    """Three hand-made rollouts of three prompts (one group each)."""
+    samples = [
+        {"id": f"q{i}", "prompt": [{"role": "user", "content": q}], "answer": a}
+        for i, (q, a) in enumerate(zip(QUESTIONS, ANSWERS, strict=True))
+    ]
+    return packed_rollouts(
+        tokenizer, samples, COMPLETIONS, CORRECT, FEEDBACK, torch.arange(len(samples))
     )
 
 
@@ -361,3 +375,53 @@ def test_config_is_a_structured_section_and_checks_its_fields() -> None:
     with pytest.raises(ValueError, match="teacher=ema needs teacher_model"):
         cfg = SDPOChannelConfig(weight=1.0, teacher="ema")
         sdpo_channel_loss(nn.Linear(1, 1), None, tokenizer=None, cfg=cfg)  # type: ignore[arg-type]
+
+
+def grouped_rollout_batch(tokenizer: ChatTokenizer) -> RolloutBatch:
+    """Two questions with three completions each (two groups sharing their prompt), of uneven
+    lengths, correct and wrong, each with feedback naming the answer."""
+    texts = [("19", "18 apples", "20"), ("26", "25", "I think it is 24")]
+    samples, row_texts, correct, feedback = [], [], [], []
+    for i, answer in enumerate(ANSWERS[:2]):
+        sample = {"id": f"q{i}", "prompt": [{"role": "user", "content": QUESTIONS[i]}]}
+        for text in texts[i]:
+            samples.append({**sample, "answer": answer})
+            row_texts.append(text)
+            correct.append(text == answer)
+            feedback.append(f"The correct answer is {answer}.")
+    group_ids = torch.arange(2).repeat_interleave(3)
+    return packed_rollouts(tokenizer, samples, row_texts, correct, feedback, group_ids)
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_shared_prefix_student_forward_equals_the_plain_one(
+    tokenizer: ChatTokenizer, top_k: int | None
+) -> None:
+    """With shared_prefix each group's prompt runs once in the student forward; log-probs,
+    entropy, SDPO loss, metrics and gradients are the plain forward's up to fp32 rounding."""
+    model = tiny_model()
+    rollouts = grouped_rollout_batch(tokenizer)
+    cfg = channel_config(weight=0.5, top_k=top_k)
+    results = {}
+    for shared in (False, True):
+        logp, entropy, loss, metrics = logprobs_with_sdpo(
+            model,
+            rollouts,
+            tokenizer=tokenizer,
+            cfg=cfg,
+            temperature=0.7,
+            chunk_size=8,
+            shared_prefix=shared,
+        )
+        mask = rollouts.completion_mask
+        (loss + (logp * mask).sum() + (entropy * mask).sum()).backward()
+        results[shared] = (logp, entropy * mask, loss, metrics, _grads(model))
+    plain, shared = results[False], results[True]
+    assert float(plain[2].detach()) > 0  # the wrong rows have a teacher: a loss to compare
+    for ours, theirs in zip(shared[:3], plain[:3], strict=True):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=2e-5)
+    assert shared[3].keys() == plain[3].keys()
+    for name in plain[3]:
+        assert math.isclose(shared[3][name], plain[3][name], rel_tol=1e-4, abs_tol=1e-5), name
+    for ours, theirs in zip(shared[4], plain[4], strict=True):
+        assert (ours - theirs).norm() <= 1e-4 * theirs.norm() + 1e-7

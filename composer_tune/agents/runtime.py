@@ -293,10 +293,12 @@ def collect_episodes(
     sync_ranks: bool,
     compute_old_logp: bool,
     engine: Any = None,
+    shared_prefix: bool = False,
 ) -> RolloutBatch:
     """``group_size`` sampled episodes per sample, scored and packed as a :class:`RolloutBatch`
     whose completion mask covers exactly the model's tokens (see ``collect_rollouts`` for the
-    arguments; the episode's reward is on every row of its group's advantage)."""
+    arguments; the episode's reward is on every row of its group's advantage). A group's
+    episodes share their first prompt, which ``shared_prefix`` log-prob forwards run once."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if temperature <= 0:
@@ -329,6 +331,9 @@ def collect_episodes(
         sampling_logp[row, :length] = torch.tensor(episode.logprobs, dtype=torch.float32)
     tokens, completion_mask = tokens.to(device), completion_mask.to(device)
     input_pos = torch.arange(width, device=device).expand(len(episodes), width).clone()
+    prompt_lengths = torch.tensor([e.prompt_length for e in episodes], dtype=torch.long)
+    total_lengths = torch.tensor([len(e.ids) for e in episodes], dtype=torch.long)
+    group_ids = torch.arange(len(samples), device=device).repeat_interleave(group_size)
     # The sampling policy's and the reference's log-probs, at the model's tokens only.
     old_logp, ref_logp = (
         _batched_logprobs(
@@ -339,13 +344,13 @@ def collect_episodes(
             temperature=temperature,
             chunk_size=logprob_chunk_size,
             forward_batch_size=forward_batch_size or len(episodes),
+            group_ids=group_ids if shared_prefix else None,
+            prompt_lengths=prompt_lengths.to(device) if shared_prefix else None,
         )
         if model is not None
         else None
         for model in (policy if compute_old_logp else None, reference)
     )
-    prompt_lengths = torch.tensor([e.prompt_length for e in episodes], dtype=torch.long)
-    total_lengths = torch.tensor([len(e.ids) for e in episodes], dtype=torch.long)
     return RolloutBatch(
         tokens=tokens,
         input_pos=input_pos,
@@ -357,7 +362,7 @@ def collect_episodes(
         ),
         prompt_lengths=prompt_lengths.to(device),
         completion_lengths=(total_lengths - prompt_lengths).to(device),
-        group_ids=torch.arange(len(samples), device=device).repeat_interleave(group_size),
+        group_ids=group_ids,
         texts=[e.final_text for e in episodes],
         samples=row_samples,
         sampling_logp=sampling_logp.to(device),

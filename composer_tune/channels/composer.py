@@ -66,7 +66,7 @@ from composer_tune.channels.sdpo.teacher import (
 from composer_tune.data.preference import PreferenceBatch
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses import PolicyLossConfig, needs_reference_model, policy_loss
-from composer_tune.rollout.rollouts import RolloutBatch, rollout_metrics, sequence_logprobs
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_logprobs, rollout_metrics
 from composer_tune.run.loop import build_model
 
 # ----------------------------------------------------------------------------- configuration
@@ -260,6 +260,9 @@ class ComposerObjective:
         group_size: completions per prompt (channel 1's groups).
         ema_teacher: channel 2's EMA teacher (None: the policy itself teaches).
         reference: the frozen initial policy; channel 3 reads it with ``dpo.reference: live``.
+        shared_prefix: the training forward runs each group's prompt once
+            (:mod:`composer_tune.rollout.shared_prefix`; the same log-probs and gradients up to
+            float rounding), config key ``shared_prefix_forward``.
 
     With channels 1 and 2 both on they share one student forward per micro-batch
     (``logprobs_with_sdpo``). Gradients accumulate in the model; the caller clips and steps.
@@ -278,6 +281,7 @@ class ComposerObjective:
         group_size: int,
         ema_teacher: EMATeacher | None = None,
         reference: nn.Module | None = None,
+        shared_prefix: bool = False,
     ) -> None:
         self.model = model
         self.channels = channels
@@ -290,6 +294,7 @@ class ComposerObjective:
         self.ema_teacher = ema_teacher
         self.teacher_model = ema_teacher.module if ema_teacher is not None else None
         self.reference = reference
+        self.shared_prefix = shared_prefix
 
     @classmethod
     def for_recipe(
@@ -318,6 +323,7 @@ class ComposerObjective:
             group_size=cfg.group_size,
             ema_teacher=ema_teacher,
             reference=reference,
+            shared_prefix=cfg.shared_prefix_forward,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -396,17 +402,20 @@ class ComposerObjective:
                 }
                 if use_sdpo:  # one student forward for both channels
                     logp, entropy, sdpo_loss, metrics = logprobs_with_sdpo(
-                        self.model, micro, **sdpo_args, **logprob_args
+                        self.model,
+                        micro,
+                        shared_prefix=self.shared_prefix,
+                        **sdpo_args,
+                        **logprob_args,
                     )
                     result.sdpo_metrics.append(metrics)
                     loss = loss + sdpo_loss
                     sdpo_total += float(sdpo_loss.detach())
                 else:
-                    logp, entropy = sequence_logprobs(
+                    logp, entropy = rollout_logprobs(
                         self.model,
-                        micro.tokens,
-                        micro.input_pos,
-                        micro.completion_mask,
+                        micro,
+                        shared_prefix=self.shared_prefix,
                         return_entropy=True,
                         **logprob_args,
                     )

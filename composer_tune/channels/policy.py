@@ -56,7 +56,7 @@ def sample_rollouts(
 ) -> RolloutBatch:
     """``cfg.group_size`` completions per prompt of ``samples``, scored. ``cfg`` is the recipe
     config (its sampling keys: group_size, max_new_tokens, temperature, top_k, top_p,
-    enable_thinking, logprob_chunk_size, micro_batch_size); ``reference`` (None: none) adds
+    enable_thinking, logprob_chunk_size, micro_batch_size, shared_prefix_forward); ``reference`` (None: none) adds
     reference log-probs for a KL term; ``compute_old_logp`` the sampling policy's.
 
     With a vLLM ``engine`` (``build_rollout_engine``), ``model``'s weights are pushed into it
@@ -81,6 +81,7 @@ def sample_rollouts(
         "sync_ranks": sync_ranks,
         "compute_old_logp": compute_old_logp,
         "engine": engine,
+        "shared_prefix": cfg.shared_prefix_forward,
     }
     if agent is not None:
         rollout = collect_episodes(agent, model, tokenizer, samples, reward, **settings)

@@ -206,8 +206,9 @@ def rollout_logprobs(
     """The training (or old/reference) log-prob forward of ``rows``, one call for either path:
     :func:`~composer_tune.rollout.shared_prefix.shared_prefix_logprobs` (each group's prompt
     run once) with ``shared_prefix``, else :func:`sequence_logprobs`. Both return the same
-    ``[N, T]`` frame; see the shared-prefix module for the entropy off the completion mask."""
-    if shared_prefix:
+    ``[N, T]`` frame; see the shared-prefix module for the entropy off the completion mask. Rows
+    without a completion token (nothing to share) take the plain forward."""
+    if shared_prefix and bool(rows.completion_mask.any()):
         return shared_prefix_logprobs(
             model,
             rows.tokens,
@@ -258,7 +259,7 @@ def _batched_logprobs(
             rows = slice(start, start + forward_batch_size)
             args = (model, tokens[rows], input_pos[rows], completion_mask[rows])
             kwargs = {"temperature": temperature, "chunk_size": chunk_size}
-            if group_ids is None or prompt_lengths is None:
+            if group_ids is None or prompt_lengths is None or not completion_mask[rows].any():
                 parts.append(sequence_logprobs(*args, **kwargs))
             else:
                 groups = {"group_ids": group_ids[rows], "prompt_lengths": prompt_lengths[rows]}

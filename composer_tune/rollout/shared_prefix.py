@@ -32,8 +32,9 @@ masks the entropy with ``completion_mask``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -256,7 +257,8 @@ def shared_prefix_logprobs(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     completions_per_row: int | None = None,
-) -> LogprobResult:
+    row_head: Callable[[Tensor, OutputModule], Any] | None = None,
+) -> LogprobResult | tuple[LogprobResult, Any]:
     """:func:`~composer_tune.rollout.rollouts.sequence_logprobs` with each group's prompt run
     once (see the module doc). Grad flows when it is enabled by the caller.
 
@@ -274,9 +276,14 @@ def shared_prefix_logprobs(
         return_entropy: also return each target's entropy, same frame.
         completions_per_row: completions per packed row (None: the cheapest estimate for the
             model's shape, :func:`choose_completions_per_row`).
+        row_head: also called, in the same forward, with the hidden states laid out as
+            ``sequence_logprobs``' model sees them (``[N, T - 1, D]``: column ``t - 1`` holds
+            the state predicting token ``t``; zero where no target is predicted) and the
+            output module, for a second head on the same states (SDPO's distillation).
 
     Returns:
-        ``float32[N, T]`` log-probs, 0 off ``completion_mask``, or ``(logprobs, entropy)``.
+        ``float32[N, T]`` log-probs, 0 off ``completion_mask``, or ``(logprobs, entropy)``;
+        with ``row_head``, ``(that, row_head's result)``.
 
     Raises:
         ValueError: shapes disagree, no row has a target, a target lies in its row's prompt,
@@ -310,10 +317,18 @@ def shared_prefix_logprobs(
     target = layout.target.to(device)
     targets = tokens.reshape(-1)[target]
     predictor = layout.predictor.to(device)
+    width = tokens.shape[1]
+    # A target's predicting state in sequence_logprobs' [N, T - 1] frame: column t - 1 of row n.
+    row_frame_index = target // width * (width - 1) + target % width - 1
+    row_output: dict[str, Any] = {}
 
     def head(hidden: Tensor, output_module: OutputModule) -> LogprobResult:
         # Only the states that predict a completion token reach the vocabulary projection.
         picked = hidden.reshape(-1, hidden.shape[-1])[predictor]
+        if row_head is not None:
+            frame = picked.new_zeros(rows * (width - 1), picked.shape[-1])
+            frame = frame.index_put((row_frame_index,), picked)
+            row_output["result"] = row_head(frame.view(rows, width - 1, -1), output_module)
         return token_logprobs(
             picked[None],
             output_module,
@@ -331,9 +346,8 @@ def shared_prefix_logprobs(
         frame = values.new_zeros(rows * tokens.shape[1])
         return frame.index_put((target,), values[0]).view(rows, tokens.shape[1])
 
-    if return_entropy:
-        return unpack(output[0]), unpack(output[1])
-    return unpack(output)
+    result = (unpack(output[0]), unpack(output[1])) if return_entropy else unpack(output)
+    return (result, row_output["result"]) if row_head is not None else result
 
 
 def _cheapest_layout(

@@ -43,6 +43,10 @@ class RLRecipeConfig(TrainingConfig):
     steps_per_generation: int = 1
     num_iterations: int = 1
     micro_batch_size: int = 32  # completions per forward/backward on each rank
+    # Log-prob forwards (training, old and reference) run each group's prompt once and its
+    # completions attend to it (composer_tune/rollout/shared_prefix.py): the same log-probs and
+    # gradients as packed rows up to float rounding, fewer FLOPs; false: one row per completion.
+    shared_prefix_forward: bool = True
     # Channel 1: ``weight`` (default 1; 0 turns the policy loss off) and a PolicyLossConfig
     # mapping (objective, epsilon_low/high, beta, kl_estimator, kl_mode, scale_rewards,
     # mask_truncated_completions, ...). max_completion_length defaults to max_new_tokens.

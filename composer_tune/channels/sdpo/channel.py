@@ -48,7 +48,8 @@ from composer_tune.channels.sdpo.contexts import (
 from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.distill import DistillConfig, DistillOutput, distill_loss, teacher_topk
 from composer_tune.rewards.base import RewardResult
-from composer_tune.rollout.rollouts import RolloutBatch, sequence_logprobs
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_logprobs, sequence_logprobs
+from composer_tune.rollout.shared_prefix import shared_prefix_logprobs
 
 TEACHERS = ("current", "ema")
 # Per-micro-batch metrics that are means over valid (distilled) tokens, and over rows.
@@ -380,24 +381,38 @@ def logprobs_with_sdpo(
     teacher_model: nn.Module | None = None,
     normalizer: float | Tensor | None = None,
     teacher_batch: TeacherBatch | None = None,
+    shared_prefix: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
     """The policy's log-probs and entropy AND the SDPO loss from one student forward.
 
-    ``(logp, entropy)`` are exactly ``sequence_logprobs(model, rollouts.tokens,
-    rollouts.input_pos, rollouts.completion_mask, temperature=..., chunk_size=...,
-    return_entropy=True)`` (the same call, whose forward also feeds the distillation head); the
-    rest is as in :func:`sdpo_channel_loss`. Returns ``(logp, entropy, weight * loss, metrics)``.
-    With ``weight == 0`` it is that plain ``sequence_logprobs`` call plus a zero loss.
+    ``(logp, entropy)`` are exactly ``rollout_logprobs(model, rollouts, shared_prefix=...,
+    temperature=..., chunk_size=..., return_entropy=True)`` (the same forward, which also feeds
+    the distillation head: with ``shared_prefix`` each group's prompt runs once and the head
+    reads the states in the plain forward's layout); the rest is as in
+    :func:`sdpo_channel_loss`. Returns ``(logp, entropy, weight * loss, metrics)``. With
+    ``weight == 0`` it is that plain ``rollout_logprobs`` call plus a zero loss.
     """
     logprob_args = {"temperature": temperature, "chunk_size": chunk_size, "return_entropy": True}
     if not cfg.enabled:
-        logp, entropy = sequence_logprobs(
-            model, rollouts.tokens, rollouts.input_pos, rollouts.completion_mask, **logprob_args
+        logp, entropy = rollout_logprobs(
+            model, rollouts, shared_prefix=shared_prefix, **logprob_args
         )
         return logp, entropy, torch.zeros((), device=rollouts.tokens.device), {}
     distill_head, teacher_batch = _prepare(
         model, rollouts, tokenizer, cfg, teacher_model, normalizer, teacher_batch
     )
+    if shared_prefix and bool(rollouts.completion_mask.any()):
+        (logp, entropy), result = shared_prefix_logprobs(
+            model,
+            rollouts.tokens,
+            rollouts.input_pos,
+            rollouts.completion_mask,
+            group_ids=rollouts.group_ids,
+            prompt_lengths=rollouts.prompt_lengths,
+            row_head=distill_head,
+            **logprob_args,
+        )
+        return logp, entropy, cfg.weight * result.loss, _metrics(result, teacher_batch)
     captured: dict[str, DistillOutput] = {}
 
     def both_heads(tokens: Tensor, *, input_pos: Tensor, head_fn: Callable) -> Any:
