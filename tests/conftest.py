@@ -10,8 +10,16 @@ from tests.recipe_runs import RecipeRun, run_recipe
 
 @pytest.fixture(scope="session")
 def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
-    """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it."""
-    return run_recipe("sft", "cpu_smoke", tmp_path_factory.mktemp("sft_cpu_smoke"))
+    """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it. Every
+    100-step checkpoint is kept and scored on the held-out set, so a test can start from an
+    earlier, weaker one (test_grpo_recipe's learning test)."""
+    return run_recipe(
+        "sft",
+        "cpu_smoke",
+        tmp_path_factory.mktemp("sft_cpu_smoke"),
+        "checkpoint.keep_last=null",
+        "eval_every_n_steps=100",
+    )
 
 
 @pytest.fixture(scope="session")
