@@ -62,7 +62,7 @@ Sizes and time (one H100; each part must finish well inside a 10-minute command)
   if a decoding step takes tens of milliseconds. About 4-6 minutes.
 - peer: 4 prompts x 8 completions of at most 64 tokens, 1 warm-up + 3 timed steps per framework,
   fp32 on both sides as the bench fixes it for random models, two composer-tune variants (the
-  recipe as it ships and with the bench's shared-prefix forward): a minute or two.
+  recipe as it ships, each group's prompt once, and with one row per completion): a minute or two.
 """
 
 from __future__ import annotations
@@ -859,8 +859,8 @@ def run_peer(settings: Settings) -> PartResult:
     else:
         sizes = ["--model", "qwen3-0.6b-4l", "--prompts", "4", "--group-size", "8"]
         sizes += ["--max-new-tokens", "64", "--repeats", "3"]
-    # The recipe as it ships, then with the bench's shared-prefix training forward.
-    variants = [f"{bench.SHARED_PREFIX_KEY}=false", f"{bench.SHARED_PREFIX_KEY}=true"]
+    # The recipe as it ships (each group's prompt once), then with one row per completion.
+    variants = ["shared_prefix_forward=true", "shared_prefix_forward=false"]
     argv = [*sizes, "--device", settings.device.type, "--warmup", "1", "--skip-memory"]
     argv += [item for variant in variants for item in ("--variant", variant)]
     args = bench.parse_args(argv)
