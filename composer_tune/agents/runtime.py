@@ -331,8 +331,8 @@ def collect_episodes(
         sampling_logp[row, :length] = torch.tensor(episode.logprobs, dtype=torch.float32)
     tokens, completion_mask = tokens.to(device), completion_mask.to(device)
     input_pos = torch.arange(width, device=device).expand(len(episodes), width).clone()
-    prompt_lengths = torch.tensor([e.prompt_length for e in episodes], dtype=torch.long)
-    total_lengths = torch.tensor([len(e.ids) for e in episodes], dtype=torch.long)
+    prompt_lengths = torch.tensor([e.prompt_length for e in episodes], device=device)
+    total_lengths = torch.tensor([len(e.ids) for e in episodes], device=device)
     group_ids = torch.arange(len(samples), device=device).repeat_interleave(group_size)
     # The sampling policy's and the reference's log-probs, at the model's tokens only.
     old_logp, ref_logp = (
@@ -345,7 +345,7 @@ def collect_episodes(
             chunk_size=logprob_chunk_size,
             forward_batch_size=forward_batch_size or len(episodes),
             group_ids=group_ids if shared_prefix else None,
-            prompt_lengths=prompt_lengths.to(device) if shared_prefix else None,
+            prompt_lengths=prompt_lengths if shared_prefix else None,
         )
         if model is not None
         else None
@@ -360,8 +360,8 @@ def collect_episodes(
         truncated=torch.tensor(
             [e.record.truncated is not None for e in episodes], dtype=torch.bool, device=device
         ),
-        prompt_lengths=prompt_lengths.to(device),
-        completion_lengths=(total_lengths - prompt_lengths).to(device),
+        prompt_lengths=prompt_lengths,
+        completion_lengths=total_lengths - prompt_lengths,
         group_ids=group_ids,
         texts=[e.final_text for e in episodes],
         samples=row_samples,

@@ -56,8 +56,9 @@ def sample_rollouts(
 ) -> RolloutBatch:
     """``cfg.group_size`` completions per prompt of ``samples``, scored. ``cfg`` is the recipe
     config (its sampling keys: group_size, max_new_tokens, temperature, top_k, top_p,
-    enable_thinking, logprob_chunk_size, micro_batch_size, shared_prefix_forward); ``reference`` (None: none) adds
-    reference log-probs for a KL term; ``compute_old_logp`` the sampling policy's.
+    enable_thinking, logprob_chunk_size, micro_batch_size, shared_prefix_forward);
+    ``reference`` (None: none) adds reference log-probs for a KL term; ``compute_old_logp`` the
+    sampling policy's.
 
     With a vLLM ``engine`` (``build_rollout_engine``), ``model``'s weights are pushed into it
     first unless it already holds ``policy_version`` (the optimiser step they come from; None:

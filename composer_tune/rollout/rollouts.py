@@ -22,7 +22,7 @@ Top-k / top-p truncation is not reflected in them (TRL does not either).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -202,12 +202,23 @@ def rollout_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    row_head: Callable[[Tensor, Any], Any] | None = None,
+) -> Any:
     """The training (or old/reference) log-prob forward of ``rows``, one call for either path:
     :func:`~composer_tune.rollout.shared_prefix.shared_prefix_logprobs` (each group's prompt
     run once) with ``shared_prefix``, else :func:`sequence_logprobs`. Both return the same
     ``[N, T]`` frame; see the shared-prefix module for the entropy off the completion mask. Rows
-    without a completion token (nothing to share) take the plain forward."""
+    without a completion token (nothing to share) take the plain forward.
+
+    ``row_head`` (e.g. SDPO's distillation head) runs in the same forward on the hidden states
+    in the plain forward's layout (``[N, T - 1, D]``, the state predicting token ``t`` at column
+    ``t - 1``) and the output module; its result follows the log-probs: ``(result, its)``.
+    """
+    settings = {
+        "temperature": temperature,
+        "chunk_size": chunk_size,
+        "return_entropy": return_entropy,
+    }
     if shared_prefix and bool(rows.completion_mask.any()):
         return shared_prefix_logprobs(
             model,
@@ -216,19 +227,24 @@ def rollout_logprobs(
             rows.completion_mask,
             group_ids=rows.group_ids,
             prompt_lengths=rows.prompt_lengths,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=return_entropy,
+            row_head=row_head,
+            **settings,
         )
-    return sequence_logprobs(
-        model,
-        rows.tokens,
-        rows.input_pos,
-        rows.completion_mask,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        return_entropy=return_entropy,
-    )
+    inputs = (rows.tokens, rows.input_pos, rows.completion_mask)
+    if row_head is None:
+        return sequence_logprobs(model, *inputs, **settings)
+    captured: dict[str, Any] = {}
+
+    def both_heads(tokens: Tensor, *, input_pos: Tensor, head_fn: Callable) -> Any:
+        """The model, with ``row_head`` run on the same hidden states as ``head_fn``."""
+
+        def head(hidden: Tensor, output: Any) -> Any:
+            captured["row"] = row_head(hidden, output)
+            return head_fn(hidden, output)
+
+        return model(tokens, input_pos=input_pos, head_fn=head)
+
+    return sequence_logprobs(both_heads, *inputs, **settings), captured["row"]
 
 
 @torch.no_grad()

@@ -48,8 +48,7 @@ from composer_tune.channels.sdpo.contexts import (
 from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.distill import DistillConfig, DistillOutput, distill_loss, teacher_topk
 from composer_tune.rewards.base import RewardResult
-from composer_tune.rollout.rollouts import RolloutBatch, rollout_logprobs, sequence_logprobs
-from composer_tune.rollout.shared_prefix import shared_prefix_logprobs
+from composer_tune.rollout.rollouts import RolloutBatch, rollout_logprobs
 
 TEACHERS = ("current", "ema")
 # Per-micro-batch metrics that are means over valid (distilled) tokens, and over rows.
@@ -387,8 +386,8 @@ def logprobs_with_sdpo(
 
     ``(logp, entropy)`` are exactly ``rollout_logprobs(model, rollouts, shared_prefix=...,
     temperature=..., chunk_size=..., return_entropy=True)`` (the same forward, which also feeds
-    the distillation head: with ``shared_prefix`` each group's prompt runs once and the head
-    reads the states in the plain forward's layout); the rest is as in
+    the distillation head as its ``row_head``: with ``shared_prefix`` each group's prompt runs
+    once and the head still reads the states in the plain forward's layout); the rest is as in
     :func:`sdpo_channel_loss`. Returns ``(logp, entropy, weight * loss, metrics)``. With
     ``weight == 0`` it is that plain ``rollout_logprobs`` call plus a zero loss.
     """
@@ -401,33 +400,9 @@ def logprobs_with_sdpo(
     distill_head, teacher_batch = _prepare(
         model, rollouts, tokenizer, cfg, teacher_model, normalizer, teacher_batch
     )
-    if shared_prefix and bool(rollouts.completion_mask.any()):
-        (logp, entropy), result = shared_prefix_logprobs(
-            model,
-            rollouts.tokens,
-            rollouts.input_pos,
-            rollouts.completion_mask,
-            group_ids=rollouts.group_ids,
-            prompt_lengths=rollouts.prompt_lengths,
-            row_head=distill_head,
-            **logprob_args,
-        )
-        return logp, entropy, cfg.weight * result.loss, _metrics(result, teacher_batch)
-    captured: dict[str, DistillOutput] = {}
-
-    def both_heads(tokens: Tensor, *, input_pos: Tensor, head_fn: Callable) -> Any:
-        """The model, with the distillation head run on the same hidden states as head_fn."""
-
-        def head(hidden: Tensor, output: Any) -> Any:
-            captured["distill"] = distill_head(hidden, output)
-            return head_fn(hidden, output)
-
-        return model(tokens, input_pos=input_pos, head_fn=head)
-
-    logp, entropy = sequence_logprobs(
-        both_heads, rollouts.tokens, rollouts.input_pos, rollouts.completion_mask, **logprob_args
+    (logp, entropy), result = rollout_logprobs(
+        model, rollouts, shared_prefix=shared_prefix, row_head=distill_head, **logprob_args
     )
-    result = captured["distill"]
     return logp, entropy, cfg.weight * result.loss, _metrics(result, teacher_batch)
 
 
