@@ -1137,8 +1137,10 @@ def main(argv: list[str] | None = None) -> int:
         peak_tflops=ns.peak_tflops,
     )
     names = PARTS if "all" in ns.part else tuple(p for p in PARTS if p in ns.part)
-    sections = {name: run_part(name, settings, ns.commit) for name in names}
-    path = update_report(ns.out_dir, sections, ns.fresh)
+    sections: dict[str, dict[str, Any]] = {}
+    for name in names:  # written after each part, so a command killed at its limit keeps them
+        sections[name] = run_part(name, settings, ns.commit)
+        path = update_report(ns.out_dir, {name: sections[name]}, ns.fresh and len(sections) == 1)
     print(f"[gpu_check] report: {path} (and report.json beside it)")
     failed = [name for name, s in sections.items() if s["status"] in ("FAIL", "ERROR")]
     if failed:
