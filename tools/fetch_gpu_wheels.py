@@ -10,7 +10,8 @@ composer_tune import that it does not hold. Those travel with the working tree, 
 64 MiB in all (files + carried paths): this downloads them for CPython 3.12 manylinux x86_64
 with ``pip download --only-binary=:all: --no-deps``, checks the total against that limit and
 prints the commands for the GPU side (install with ``pip install --no-deps --target``, then run
-the check with the result first on ``PYTHONPATH``).
+the check with the repository, then the result, on ``PYTHONPATH``: torchtune's wheel ships a
+top-level ``recipes`` package that would shadow this repository's).
 
 The list was found by importing torchtune, composer_tune (DiLoCo included), recipes/grpo.py,
 the benches gpu_check imports and ``trl.GRPOTrainer`` with only the image's packages and these on
@@ -154,7 +155,7 @@ def gpu_commands(dest: Path) -> list[str]:
         f"python3 -m pip install -q --no-index --no-deps --no-compile --upgrade "
         f"--target {site} {relative}/*.whl"
     )
-    run = f"PYTHONPATH={site}:. python3 tools/gpu_check.py --commit {commit or 'UNKNOWN'}"
+    run = f"PYTHONPATH=.:{site} python3 tools/gpu_check.py --commit {commit or 'UNKNOWN'}"
     return [
         f"{install} && {run} --part {part}; cp docs/gpu/report.* $OUT/"
         for part in ("parity", "memory", "speed", "peer")
