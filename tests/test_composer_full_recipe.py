@@ -281,10 +281,11 @@ def test_zero_weight_channels_cost_nothing(tmp_path: Path) -> None:
 def test_fsdp_two_processes(tmp_path: Path) -> None:
     """Same global batch on 1 and 2 ranks. Channel 3 alone is deterministic (no sampling), so
     its whole loss trajectory must agree; with all channels on, ranks sample other completions
-    than one process, so only step 1's DPO loss (taken before any update) is comparable."""
+    than one process, so only step 1's DPO loss and DPO gradient norm (taken before any update;
+    ``log_channel_gradients`` over FSDP2 shards) are comparable."""
     runs = {
         "dpo": [*FULL_MECHANICS, *CHANNEL_3_ONLY, "max_steps=3"],
-        "all": [*FULL_MECHANICS, "max_steps=2"],
+        "all": [*FULL_MECHANICS, "max_steps=2", "log_channel_gradients=true"],
     }
     logs = {}
     for name, overrides in runs.items():
@@ -315,8 +316,11 @@ def test_fsdp_two_processes(tmp_path: Path) -> None:
 
     single, fsdp = logs["all"]
     assert fsdp[1]["dpo/loss"] == pytest.approx(single[1]["dpo/loss"], rel=1e-4, abs=1e-5)
+    assert fsdp[1]["grad_norm/dpo"] == pytest.approx(single[1]["grad_norm/dpo"], rel=1e-3)
     for step in (1, 2):
         assert math.isfinite(fsdp[step]["loss"]) and fsdp[step]["sdpo/valid_tokens"] > 0
+        shares = [fsdp[step][f"grad_share/{name}"] for name in ("policy", "sdpo", "dpo")]
+        assert sum(shares) == pytest.approx(1, abs=1e-4)
     assert latest_checkpoint(tmp_path / "all_fsdp").name == "step_0000002"
 
 
@@ -341,3 +345,35 @@ def test_shared_prefix_forward_changes_no_logged_value(tmp_path: Path) -> None:
     assert shared_log["sdpo/valid_tokens"] > 0 and math.isfinite(shared_log["dpo/loss"])
     for name, value in plain_log.items():
         assert shared_log[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def test_channel_gradient_norms_equal_each_channel_alone(tmp_path: Path) -> None:
+    """``log_channel_gradients``: step 1 of all three channels logs each channel's gradient
+    norm, which is the step's whole gradient norm when that channel runs alone on the same
+    rollouts and pairs; the shares add to 1 and every other logged value is unchanged."""
+    common = [*FULL_MECHANICS, "max_steps=1", "lr_scheduler=null"]
+    runs = {
+        "split": ["log_channel_gradients=true"],
+        "together": [],
+        "policy": ["sdpo.weight=0", "dpo.weight=0"],
+        "sdpo": ["loss.weight=0", "dpo.weight=0"],
+        "dpo": list(CHANNEL_3_ONLY),
+    }
+    logs = {}
+    for name, overrides in runs.items():
+        run_in_process(
+            ComposerFullRecipe, ComposerFullConfig, "composer_full", tmp_path / name,
+            [*common, *overrides],
+        )  # fmt: skip
+        logs[name] = logged_metrics(tmp_path / name)[1]
+    split, together = logs["split"], logs["together"]
+    channels = ("policy", "sdpo", "dpo")
+    assert set(split) - set(together) == {
+        f"grad_{kind}/{name}" for kind in ("norm", "share") for name in channels
+    }
+    for name, value in together.items():
+        assert split[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    for name in channels:
+        assert split[f"grad_norm/{name}"] == pytest.approx(logs[name]["grad_norm"], rel=1e-4)
+    assert sum(split[f"grad_share/{name}"] for name in channels) == pytest.approx(1, abs=1e-4)
+    assert len({split[f"grad_norm/{name}"] for name in channels}) == 3

@@ -45,6 +45,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from composer_tune.channels.gradients import ChannelGradients, channel_scope
 from composer_tune.channels.policy import group_advantages, kl_in_reward, step_normalization
 from composer_tune.channels.replay_dpo import DPOChannelConfig, pair_loss_backward
 from composer_tune.channels.sdpo.channel import (
@@ -263,6 +264,9 @@ class ComposerObjective:
         shared_prefix: the training forward runs each group's prompt once
             (:mod:`composer_tune.rollout.shared_prefix`; the same log-probs and gradients up to
             float rounding), config key ``shared_prefix_forward``.
+        log_channel_gradients: with two or more channels on, each channel's gradient norm and
+            share of the step are logged (:mod:`composer_tune.channels.gradients`; channels 1
+            and 2 then take a student forward and backward each instead of sharing one).
 
     With channels 1 and 2 both on they share one student forward per micro-batch
     (``logprobs_with_sdpo``). Gradients accumulate in the model; the caller clips and steps.
@@ -282,6 +286,7 @@ class ComposerObjective:
         ema_teacher: EMATeacher | None = None,
         reference: nn.Module | None = None,
         shared_prefix: bool = False,
+        log_channel_gradients: bool = False,
     ) -> None:
         self.model = model
         self.channels = channels
@@ -295,6 +300,7 @@ class ComposerObjective:
         self.teacher_model = ema_teacher.module if ema_teacher is not None else None
         self.reference = reference
         self.shared_prefix = shared_prefix
+        self.log_channel_gradients = log_channel_gradients
 
     @classmethod
     def for_recipe(
@@ -324,6 +330,7 @@ class ComposerObjective:
             ema_teacher=ema_teacher,
             reference=reference,
             shared_prefix=cfg.shared_prefix_forward,
+            log_channel_gradients=cfg.log_channel_gradients,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -369,6 +376,16 @@ class ComposerObjective:
         micro_batches = rows.micro_batches(self.micro_batch_size) if rows is not None else []
         use_policy, use_sdpo = channels.policy_weight > 0, channels.sdpo.enabled
         result = StepLosses()
+        channels_on = sum((use_policy and rows is not None, use_sdpo, pair_batch is not None))
+        split = (
+            ChannelGradients(self.model.parameters())
+            if self.log_channel_gradients and channels_on > 1
+            else None
+        )
+        # Channels 1 and 2 share the student forward unless their gradients are told apart:
+        # then each runs its own forward and backward (a second backward through a shared
+        # graph would recompute checkpointed layers from FSDP2's resharded parameters).
+        one_student_forward = use_policy and use_sdpo and split is None
         if use_policy:
             normalization = step_normalization(rows, loss_cfg, dist, self.micro_batch_size)
             result.tokens["policy"] = float(rows.completion_mask.sum())
@@ -396,65 +413,75 @@ class ComposerObjective:
             }
             loss = torch.zeros((), device=dist.device)
             if use_policy:
-                logprob_args = {
-                    "temperature": self.temperature,
-                    "chunk_size": self.logprob_chunk_size,
-                }
-                if use_sdpo:  # one student forward for both channels
-                    logp, entropy, sdpo_loss, metrics = logprobs_with_sdpo(
-                        self.model,
-                        micro,
-                        shared_prefix=self.shared_prefix,
-                        **sdpo_args,
-                        **logprob_args,
+                with channel_scope(split, "policy"):
+                    logprob_args = {
+                        "temperature": self.temperature,
+                        "chunk_size": self.logprob_chunk_size,
+                    }
+                    if one_student_forward:  # both channels' terms from one forward
+                        logp, entropy, sdpo_loss, metrics = logprobs_with_sdpo(
+                            self.model,
+                            micro,
+                            shared_prefix=self.shared_prefix,
+                            **sdpo_args,
+                            **logprob_args,
+                        )
+                        result.sdpo_metrics.append(metrics)
+                        loss = loss + sdpo_loss
+                        sdpo_total += float(sdpo_loss.detach())
+                    else:
+                        logp, entropy = rollout_logprobs(
+                            self.model,
+                            micro,
+                            shared_prefix=self.shared_prefix,
+                            return_entropy=True,
+                            **logprob_args,
+                        )
+                    old_logp = logp.detach() if on_policy else micro.old_logp
+                    policy, metrics = policy_loss(
+                        logp,
+                        old_logp,
+                        advantages[start : start + len(micro)],
+                        micro.completion_mask,
+                        loss_cfg,
+                        ref_logp=micro.ref_logp,
+                        truncated=micro.truncated,
+                        entropy=entropy,
+                        normalization=normalization,
+                        sampling_logp=micro.sampling_logp,
                     )
+                    loss = loss + channels.policy_weight * policy
+                    for name, value in metrics.items():
+                        result.metrics[name] = result.metrics.get(name, 0.0) + float(value) / len(
+                            micro_batches
+                        )
+                    if split is not None:
+                        (channels.policy_weight * policy).backward()
+            if use_sdpo and not one_student_forward:  # channel 2's own student forward
+                with channel_scope(split, "sdpo"):
+                    sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)
                     result.sdpo_metrics.append(metrics)
                     loss = loss + sdpo_loss
                     sdpo_total += float(sdpo_loss.detach())
-                else:
-                    logp, entropy = rollout_logprobs(
-                        self.model,
-                        micro,
-                        shared_prefix=self.shared_prefix,
-                        return_entropy=True,
-                        **logprob_args,
-                    )
-                old_logp = logp.detach() if on_policy else micro.old_logp
-                policy, metrics = policy_loss(
-                    logp,
-                    old_logp,
-                    advantages[start : start + len(micro)],
-                    micro.completion_mask,
-                    loss_cfg,
-                    ref_logp=micro.ref_logp,
-                    truncated=micro.truncated,
-                    entropy=entropy,
-                    normalization=normalization,
-                    sampling_logp=micro.sampling_logp,
-                )
-                loss = loss + channels.policy_weight * policy
-                for name, value in metrics.items():
-                    result.metrics[name] = result.metrics.get(name, 0.0) + float(value) / len(
-                        micro_batches
-                    )
-            else:  # channel 2 alone: the SDPO forward is the only one
-                sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)
-                result.sdpo_metrics.append(metrics)
-                loss = loss + sdpo_loss
-                sdpo_total += float(sdpo_loss.detach())
-            loss.backward()
+                    if split is not None:
+                        sdpo_loss.backward()
+            if split is None:
+                loss.backward()
             result.loss += float(loss.detach())
         if use_sdpo:
             result.metrics["sdpo/weighted_loss"] = sdpo_total
         if pair_batch is not None:  # channel 3: one forward over this rank's pairs
-            pair_loss, pair_metrics = pair_loss_backward(
-                self.model,
-                pair_batch,
-                channels.dpo,
-                reference_model=self.reference,
-                chunk_size=self.logprob_chunk_size,
-            )
+            with channel_scope(split, "dpo"):
+                pair_loss, pair_metrics = pair_loss_backward(
+                    self.model,
+                    pair_batch,
+                    channels.dpo,
+                    reference_model=self.reference,
+                    chunk_size=self.logprob_chunk_size,
+                )
             result.loss += pair_loss
             result.metrics.update(pair_metrics)
             result.tokens["dpo"] = float(pair_batch.packed.completion_mask.sum())
+        if split is not None:
+            result.metrics.update(split.combine(distributed=dist.is_distributed))
         return result

@@ -47,6 +47,10 @@ class RLRecipeConfig(TrainingConfig):
     # completions attend to it (composer_tune/rollout/shared_prefix.py): the same log-probs and
     # gradients as packed rows up to float rounding, fewer FLOPs; false: one row per completion.
     shared_prefix_forward: bool = True
+    # With two or more channels on, log each channel's gradient norm before clipping and its
+    # share of the step (grad_norm/<channel>, grad_share/<channel>); channels 1 and 2 then take
+    # a student forward and backward each instead of sharing one (channels/gradients.py).
+    log_channel_gradients: bool = False
     # Channel 1: ``weight`` (default 1; 0 turns the policy loss off) and a PolicyLossConfig
     # mapping (objective, epsilon_low/high, beta, kl_estimator, kl_mode, scale_rewards,
     # mask_truncated_completions, ...). max_completion_length defaults to max_new_tokens.
