@@ -462,6 +462,8 @@ def _live_dpo(cfg) -> None:
 
 def _sdpo_weight_left_out(cfg) -> None:
     del cfg.sdpo["weight"]  # the recipes' default is 0: channel 2 off, no EMA teacher
+    if cfg.loss.get("weight", 1.0) == 0:  # distillation only (sdpo smollm2_trl): keep channel 1
+        cfg.loss.weight = 1.0
 
 
 def _policy_off_with_kl(cfg) -> None:

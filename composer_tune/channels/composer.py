@@ -53,6 +53,7 @@ from composer_tune.channels.sdpo.channel import (
     build_sdpo_teacher_batch,
     distilled_token_count,
     logprobs_with_sdpo,
+    loss_normalizer_count,
     reduce_sdpo_metrics,
     sdpo_channel_loss,
     select_teacher_rows,
@@ -392,11 +393,10 @@ class ComposerObjective:
         sdpo_normalizer = None
         sdpo_total = 0.0
         if use_sdpo:
-            # SDPO's divergence is a token mean over the step's distilled tokens on all ranks.
-            local = distilled_token_count(teacher_rows)
-            result.tokens["sdpo"] = float(local)
-            distilled = all_reduce_sum(local.reshape(1))
-            sdpo_normalizer = float(distilled.clamp(min=1)) / dist.world_size
+            # SDPO's loss is a mean over the step's distilled tokens (or rows) on all ranks.
+            result.tokens["sdpo"] = float(distilled_token_count(teacher_rows))
+            count = loss_normalizer_count(teacher_rows, channels.sdpo.loss)
+            sdpo_normalizer = float(all_reduce_sum(count.reshape(1)).clamp(min=1)) / dist.world_size
         for index, micro in enumerate(micro_batches):
             start = index * self.micro_batch_size
             micro_teacher = (

@@ -34,10 +34,18 @@ and an EMA teacher at rate 0.05; the defaults here leave every option off):
   ``logp_*`` are the student's token log-probs of the sampled token now and at sampling time
   (the log-ratio is clamped to [-20, 20] first, as SDPO does).
 
-Aggregation: the sum of the (clipped, weighted) per-token divergences over the valid tokens --
-completion tokens of samples that have a teacher -- divided by their number (or by
-``normalizer``, e.g. the count over every micro-batch and rank of one optimiser step). Samples
-without a teacher contribute nothing and do not count.
+Aggregation (``averaging``): ``token`` (the default), the sum of the (clipped, weighted)
+per-token divergences over the valid tokens -- completion tokens of samples that have a teacher
+-- divided by their number (or by ``normalizer``, e.g. the count over every micro-batch and rank
+of one optimiser step); samples without a teacher contribute nothing and do not count. ``row``
+(TRL 1.16's ``SDPOTrainer``): each sample's mean over its valid tokens, averaged over all samples
+(or divided by ``normalizer``, a sample count), those without a teacher counting as 0.
+
+``mode="sampled_token"`` (TRL 1.16's default ``distillation_mode``): instead of a divergence
+over the vocabulary, each valid token contributes ``sg(log S(y) - log T(y)) * log S(y)`` for
+the sampled token ``y``, whose gradient is a one-sample estimate of reverse KL's (``alpha`` must
+be 1; no ``top_k`` or ``token_clip``). The logged divergence is then ``log S(y) - log T(y)``,
+a one-sample estimate of ``KL(S || T)``.
 
 Memory: Qwen3's vocabulary has 151,936 entries, so neither side's ``[B, T, V]`` logits are ever
 formed. :func:`distill_loss` takes final hidden states and the output projection and, like
@@ -81,6 +89,8 @@ from torch.utils.checkpoint import checkpoint
 from composer_tune.losses.logprobs import OutputModule, _at_least_float32
 
 TOP_K_SUPPORTS = ("teacher", "student")
+MODES = ("logits", "sampled_token")
+AVERAGINGS = ("token", "row")
 # SDPO clamps the log importance ratio to this range before exponentiating.
 _MAX_LOG_RATIO = 20.0
 
@@ -98,6 +108,10 @@ class DistillConfig:
     is_clip: cap of the stop-gradient importance weight ``exp(logp - old_logp)``; None = no
         weighting (on-policy, one optimisation step per generation batch).
     chunk_size: rows (completion tokens) projected per chunk.
+    mode: ``logits`` (a divergence over the vocabulary or its top-k) or ``sampled_token``
+        (reverse KL through the sampled token, TRL's default; see the module docstring).
+    averaging: ``token`` (mean over valid tokens) or ``row`` (mean over samples of each
+        sample's token mean, TRL's).
     """
 
     alpha: float = 0.5
@@ -108,6 +122,8 @@ class DistillConfig:
     token_clip: float | None = None
     is_clip: float | None = None
     chunk_size: int = 256
+    mode: str = "logits"
+    averaging: str = "token"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -127,6 +143,24 @@ class DistillConfig:
                 raise ValueError(f"DistillConfig.{name} must be > 0 or None, got {value}")
         if self.chunk_size < 1:
             raise ValueError(f"DistillConfig.chunk_size must be >= 1, got {self.chunk_size}")
+        for name, choices in (("mode", MODES), ("averaging", AVERAGINGS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"DistillConfig.{name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
+        if self.mode == "sampled_token":
+            conflicts = {
+                "alpha": self.alpha != 1.0,
+                "top_k": self.top_k is not None,
+                "token_clip": self.token_clip is not None,
+            }
+            for name, conflicting in conflicts.items():
+                if conflicting:
+                    raise ValueError(
+                        f"DistillConfig.mode=sampled_token distils the sampled token by reverse "
+                        f"KL: it needs alpha=1 and no top_k or token_clip, got "
+                        f"{name}={getattr(self, name)}"
+                    )
 
 
 @dataclass
@@ -235,10 +269,11 @@ def distill_loss(
             ``config.temperature``); required when ``config.is_clip`` is set.
         teacher_output_module: the teacher's projection when it is not the student's (an EMA
             teacher); None = ``output_module`` (the current policy as its own teacher).
-        normalizer: divide the token sum by this instead of this call's valid-token count:
-            for the token mean over a whole optimiser step, the valid tokens of every
-            micro-batch on every rank, divided by the number of ranks when the data-parallel
-            backend averages gradients (as ``policy_loss``'s ``num_items_in_batch``).
+        normalizer: divide the token sum by this instead of this call's valid-token count
+            (``averaging="row"``: its sample count): for the mean over a whole optimiser step,
+            the valid tokens (samples) of every micro-batch on every rank, divided by the number
+            of ranks when the data-parallel backend averages gradients (as ``policy_loss``'s
+            ``num_items_in_batch``).
 
     Returns:
         A :class:`DistillOutput`. With no valid token the loss is an exact 0 that still runs
@@ -326,14 +361,18 @@ def distill_loss(
 
     float_dtype = torch.promote_types(student_hidden.dtype, torch.float32)
     if pieces:
-        divergence, student_logp, teacher_logp, top1_differs = (
+        objective, student_logp, teacher_logp, top1_differs = (
             torch.cat(parts) for parts in zip(*pieces, strict=True)
         )
     else:
-        divergence = student_logp = teacher_logp = student_hidden.new_zeros(0, dtype=float_dtype)
+        objective = student_logp = teacher_logp = student_hidden.new_zeros(0, dtype=float_dtype)
         top1_differs = torch.zeros(0, dtype=torch.bool, device=targets.device)
 
-    token_loss = divergence
+    if config.mode == "sampled_token":
+        divergence = student_logp - teacher_logp  # one-sample KL(S || T), no gradient
+        token_loss = divergence * objective
+    else:
+        divergence = token_loss = objective
     clipped = torch.zeros_like(divergence, dtype=torch.bool)
     if config.token_clip is not None:
         clipped = divergence.detach() > config.token_clip
@@ -347,7 +386,11 @@ def distill_loss(
         token_loss = token_loss * weight
 
     count = rows.numel()
-    denominator = normalizer if normalizer is not None else max(count, 1)
+    if config.averaging == "row":
+        token_loss = token_loss / valid.sum(-1).clamp(min=1)[rows]
+        denominator = normalizer if normalizer is not None else max(batch, 1)
+    else:
+        denominator = normalizer if normalizer is not None else max(count, 1)
     if pieces:
         loss = token_loss.sum() / denominator
     else:
@@ -428,8 +471,9 @@ def _chunk_divergence(
     teacher_output_module: OutputModule,
     config: DistillConfig,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row divergence, both sides' log-prob of ``targets`` and whether their most likely
-    tokens differ, for one chunk of rows."""
+    """Per-row objective (the divergence; with ``mode="sampled_token"`` the student's
+    differentiable log-prob of its token), both sides' log-prob of ``targets`` (no gradient)
+    and whether their most likely tokens differ, for one chunk of rows."""
     student_logits = _at_least_float32(output_module(student_rows))
     teacher, indices, teacher_target_logp = _teacher_side(
         teacher_rows, targets, teacher_output_module, config, student_logits.dtype
@@ -437,6 +481,13 @@ def _chunk_divergence(
     # The teacher's full log-probs, or (teacher support) its top-k, most likely first.
     teacher_top1 = teacher.argmax(-1) if indices is None else indices[:, 0]
     top1_differs = student_logits.detach().argmax(-1) != teacher_top1
+    if config.mode == "sampled_token":
+        student_target_logp = (
+            torch.log_softmax(student_logits / config.temperature, dim=-1)
+            .gather(-1, targets.unsqueeze(-1))
+            .squeeze(-1)
+        )
+        return student_target_logp, student_target_logp.detach(), teacher_target_logp, top1_differs
     student_top_k = config.top_k if config.top_k_support == "student" else None
     divergence, student_target_logp = _StudentDivergence.apply(
         student_logits, teacher, indices, targets, config.alpha, config.temperature, student_top_k

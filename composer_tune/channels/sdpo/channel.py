@@ -436,6 +436,15 @@ def reduce_sdpo_metrics(
 
 
 def distilled_token_count(teacher_batch: TeacherBatch) -> Tensor:
-    """Completion tokens of the rows with a teacher (float64 scalar): summed over an optimiser
-    step's micro-batches and ranks, the ``normalizer`` of a token mean over the step."""
+    """Completion tokens of the rows with a teacher (float64 scalar)."""
     return teacher_batch.completion_mask.sum().double()
+
+
+def loss_normalizer_count(teacher_batch: TeacherBatch, loss: DistillConfig) -> Tensor:
+    """What ``loss.averaging`` averages over (float64 scalar): the distilled tokens, or every
+    row (``row``, TRL's: rows without a teacher count). Summed over an optimiser step's
+    micro-batches and ranks, the ``normalizer`` of the mean over the step."""
+    if loss.averaging == "row":
+        has_teacher = teacher_batch.has_teacher
+        return torch.tensor(float(len(has_teacher)), dtype=torch.float64, device=has_teacher.device)
+    return distilled_token_count(teacher_batch)
