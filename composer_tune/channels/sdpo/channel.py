@@ -29,6 +29,7 @@ step's with :func:`reduce_sdpo_metrics` (token-weighted, over micro-batches and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,20 +121,25 @@ def build_sdpo_teacher_batch(
 
     Rows whose reward has no notion of success (``RolloutBatch.correct_known`` False) are
     judged by ``sdpo.context.success_threshold`` on their score, as the contexts module does.
+    On agent episodes the ``feedback`` hint is the environment's text at the episode's error
+    turn (the failing tool call's observation, or the reward's feedback on the final answer),
+    and only the model's tokens of the turns ``sdpo.context.distill_turns`` names are
+    distilled (``TeacherBatch.completion_mask``).
     """
     known = (
         rollouts.correct_known.tolist()
         if rollouts.correct_known is not None
         else [True] * len(rollouts)
     )
+    feedback = (
+        rollouts.feedback
+        if rollouts.episodes is None
+        else [record.feedback for record in rollouts.episodes]
+    )
     results = [
         RewardResult(score=float(score), correct=bool(correct) if is_known else None, feedback=text)
         for score, correct, is_known, text in zip(
-            rollouts.rewards.tolist(),
-            rollouts.correct.tolist(),
-            known,
-            rollouts.feedback,
-            strict=True,
+            rollouts.rewards.tolist(), rollouts.correct.tolist(), known, feedback, strict=True
         )
     ]
     prompt_lengths = rollouts.prompt_lengths.tolist()
@@ -142,7 +148,7 @@ def build_sdpo_teacher_batch(
         rollouts.tokens[row, start : start + length].tolist()
         for row, (start, length) in enumerate(zip(prompt_lengths, completion_lengths, strict=True))
     ]
-    return build_teacher_batch(
+    batch = build_teacher_batch(
         tokenizer,
         cfg.context,
         samples=rollouts.samples,
@@ -151,6 +157,46 @@ def build_sdpo_teacher_batch(
         texts=rollouts.texts,
         group_ids=rollouts.group_ids.tolist(),
         device=rollouts.tokens.device,
+    )
+    if rollouts.episodes is None:
+        return batch
+    return _distil_episode_turns(batch, rollouts, cfg.context.distill_turns)
+
+
+def _distil_episode_turns(
+    batch: TeacherBatch, rollouts: RolloutBatch, distill_turns: str
+) -> TeacherBatch:
+    """``batch`` with its completion mask cut to the model's tokens of the turns
+    ``distill_turns`` names, and each teacher row's kind of error turn."""
+    width = batch.completion_mask.shape[1]
+    columns = rollouts.prompt_lengths[:, None] + torch.arange(width, device=batch.tokens.device)
+    in_row = columns < rollouts.tokens.shape[1]
+    model_tokens = rollouts.completion_mask.gather(
+        1, columns.clamp(max=rollouts.tokens.shape[1] - 1)
+    )
+    selected = model_tokens & in_row
+    if distill_turns != "all":
+        first = torch.tensor(
+            [record.turn_spans[record.error_turn][0] if record.turn_spans else 0
+             for record in rollouts.episodes],
+            device=columns.device,
+        )  # fmt: skip
+        last = torch.tensor(
+            [
+                record.turn_spans[record.error_turn][1]
+                if distill_turns == "error_turn" and record.turn_spans
+                else rollouts.tokens.shape[1]
+                for record in rollouts.episodes
+            ],
+            device=columns.device,
+        )
+        selected &= (columns >= first[:, None]) & (columns < last[:, None])
+    error_turns = [
+        ("tool_error" if record.tool_errors else "final_answer") if has_teacher else None
+        for record, has_teacher in zip(rollouts.episodes, batch.has_teacher.tolist(), strict=True)
+    ]
+    return dataclasses.replace(
+        batch, completion_mask=batch.completion_mask & selected, error_turns=error_turns
     )
 
 
@@ -169,6 +215,7 @@ def select_teacher_rows(batch: TeacherBatch, rows: slice) -> TeacherBatch:
         has_teacher=batch.has_teacher[rows],
         hint_sources=batch.hint_sources[rows],
         no_teacher_reasons=batch.no_teacher_reasons[rows],
+        error_turns=batch.error_turns[rows] if batch.error_turns is not None else None,
     )
 
 
@@ -214,7 +261,8 @@ def _align(
         student_positions=positions,
         teacher_positions=teacher_batch.prediction_positions[:, :width],
         targets=targets,
-        completion_mask=mask,
+        # The teacher batch says which tokens are distilled (on episodes: the model's own).
+        completion_mask=mask & teacher_batch.completion_mask[:, :width],
         old_logprobs=old_logprobs,
     )
 

@@ -68,6 +68,7 @@ HINT_SOURCES = ("feedback", "sibling", "reference")
 COMBINE_MODES = ("first", "all")
 PLACEMENTS = ("user", "system")
 APPLY_TO = ("failed", "all")
+DISTILL_TURNS = ("all", "error_turn", "from_error_turn")
 
 # The named fields each template may use; the first one of each entry is required.
 TEMPLATE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -107,6 +108,12 @@ class TeacherContextConfig:
     enable_thinking: passed to the chat template; must match the student's generation prompt.
     max_teacher_tokens: rows whose teacher sequence (prompt + completion) would be longer get
         no teacher; None = no limit.
+    distill_turns: on agent episodes, which of the model's turns are distilled: ``all``,
+        ``error_turn`` (the turn where the episode went wrong: its first failing tool call,
+        else its final answer; ``EpisodeRecord.error_turn``) or ``from_error_turn`` (that
+        turn and every later one). The teacher reads the hinted prompt and the episode
+        verbatim up to those turns; tool output is never distilled. Single-turn rows have one
+        turn, distilled in every setting.
     """
 
     sources: list[str] = field(default_factory=lambda: ["sibling", "feedback"])
@@ -126,6 +133,7 @@ class TeacherContextConfig:
     strip_thinking_from_hint: bool = True
     enable_thinking: bool = True
     max_teacher_tokens: int | None = None
+    distill_turns: str = "all"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -146,6 +154,7 @@ class TeacherContextConfig:
             ("combine", COMBINE_MODES),
             ("placement", PLACEMENTS),
             ("apply_to", APPLY_TO),
+            ("distill_turns", DISTILL_TURNS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(
@@ -194,12 +203,16 @@ class TeacherBatch:
         at ``prediction_positions[b, j]`` predict completion token ``j``, i.e.
         ``tokens[b, prediction_positions[b, j] + 1] == completions[b][j]``. 0 where
         ``completion_mask`` is False.
-    completion_mask: ``bool[B, C]``, True on completion tokens of rows with a teacher.
+    completion_mask: ``bool[B, C]``, True on the completion tokens distilled: every one of a
+        row with a teacher (on agent episodes, the model's tokens of the distilled turns).
     has_teacher: ``bool[B]``.
     hint_sources: per row, the sources its hint came from ('' for an unmodified prompt with
         ``skip_if_no_hint=False``), or None for rows without a teacher.
     no_teacher_reasons: per row, why it has no teacher (``succeeded``, ``no_hint``,
         ``too_long``), or None.
+    error_turns: agent episodes only: per row with a teacher, what its distilled error turn
+        is (``tool_error``: a failing tool call; ``final_answer``), else None; None for
+        single-turn rollouts.
     """
 
     tokens: Tensor
@@ -211,14 +224,20 @@ class TeacherBatch:
     has_teacher: Tensor
     hint_sources: list[str | None]
     no_teacher_reasons: list[str | None]
+    error_turns: list[str | None] | None = None
 
     def metrics(self) -> dict[str, float]:
-        """Share of rows with a teacher, and per hint source, for logging."""
+        """Share of rows with a teacher, per hint source and, on agent episodes, per kind of
+        error turn (``sdpo/error_turn_tool_fraction``: a failing tool call), for logging."""
         rows = max(len(self.hint_sources), 1)
         metrics = {"sdpo/teacher_fraction": float(self.has_teacher.double().sum()) / rows}
         for source in HINT_SOURCES:
             used = sum(1 for names in self.hint_sources if names and source in names.split("+"))
             metrics[f"sdpo/hint_{source}_fraction"] = used / rows
+        if self.error_turns is not None:
+            for kind, name in (("tool_error", "tool"), ("final_answer", "answer")):
+                used = sum(1 for turn in self.error_turns if turn == kind)
+                metrics[f"sdpo/error_turn_{name}_fraction"] = used / rows
         return metrics
 
 

@@ -1,0 +1,149 @@
+"""SDPO at an agent episode's error turn (``sdpo.context.distill_turns``): the teacher reads the
+hinted prompt and the episode up to the turn where it went wrong, and only that turn's model
+tokens are distilled; tool output never is. A scripted engine drives real episodes
+(``sample_rollouts(agent=...)``) on the cpu_smoke_agent model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from composer_tune.agents import build_agent
+from composer_tune.channels.policy import sample_rollouts
+from composer_tune.channels.sdpo import (
+    SDPOChannelConfig,
+    build_sdpo_teacher_batch,
+    sdpo_channel_loss,
+)
+from composer_tune.channels.sdpo.contexts import insert_hint
+from composer_tune.rewards import MathAnswerReward
+from composer_tune.rollout.generation import GenerationOutput
+from tests.test_agent_rollouts import tiny  # noqa: F401 - the module's model fixture
+
+AGENT = {"tools": ["composer_tune.agents.calculator.calculate"], "max_turns": 4}
+SAMPLE = {"prompt": [{"role": "user", "content": "What is 347 * 68 + 5?"}], "answer": "23601"}
+GOOD_CALL = (
+    '<tool_call>\n{"name": "calculate", "arguments": {"expression": "347 * 68"}}\n</tool_call>'
+)
+BAD_CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expr": "23596 + 5"}}\n</tool_call>'
+
+
+class ErrorOnSecondCall:
+    """Row 0: a good tool call, a failing one (wrong argument name), then the right answer;
+    row 1: a wrong answer at once."""
+
+    max_model_len = 1024
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.turn = tokenizer, 0
+
+    def sync_weights(self, model, version) -> bool:
+        return False
+
+    def sleep(self) -> None:
+        pass
+
+    def generate(self, prompts, *, max_new_tokens, stop_tokens, **_) -> GenerationOutput:
+        script = [[GOOD_CALL, "12"], [BAD_CALL], ["23601"]][self.turn]
+        self.turn += 1
+        completions = [self.tokenizer.encode(t) + [stop_tokens[0]] for t in script[: len(prompts)]]
+        return GenerationOutput(
+            completions=completions,
+            completion_lengths=torch.tensor([len(c) for c in completions]),
+            truncated=torch.zeros(len(completions), dtype=torch.bool),
+            logprobs=[torch.full((len(c),), -1.0) for c in completions],
+        )
+
+
+def _episodes(tiny_fixture):
+    model, tokenizer, section = tiny_fixture
+    cfg = OmegaConf.merge(
+        section,
+        {
+            "group_size": 2,
+            "micro_batch_size": 2,
+            "top_k": None,
+            "top_p": None,
+            "logprob_chunk_size": 1024,
+            "shared_prefix_forward": True,
+        },
+    )
+    batch = sample_rollouts(
+        model, [SAMPLE], cfg, tokenizer=tokenizer, reward=MathAnswerReward(reveal_answer=True),
+        generator=torch.Generator().manual_seed(0), reference=None, compute_old_logp=False,
+        sync_ranks=False, engine=ErrorOnSecondCall(tokenizer), agent=build_agent(AGENT),
+    )  # fmt: skip
+    return model, tokenizer, batch
+
+
+def _sdpo(distill_turns: str) -> SDPOChannelConfig:
+    return SDPOChannelConfig.from_mapping(
+        {
+            "weight": 1.0,
+            "context": {
+                "sources": ["feedback"],
+                "apply_to": "all",
+                "distill_turns": distill_turns,
+            },
+        }
+    )
+
+
+def test_the_failing_call_is_the_error_turn_and_only_its_tokens_are_distilled(tiny) -> None:  # noqa: F811
+    model, tokenizer, batch = _episodes(tiny)
+    record = batch.episodes[0]
+    assert record.turns == 3 and record.tool_errors == 1 and record.error_turn == 1
+    assert "expression" in record.feedback and record.feedback.startswith("{'error':")
+    cfg = _sdpo("error_turn")
+    teacher = build_sdpo_teacher_batch(batch, tokenizer=tokenizer, cfg=cfg)
+    assert teacher.has_teacher.tolist() == [True, True]
+    assert teacher.error_turns == ["tool_error", "final_answer"]
+    # The teacher's context: the prompt with the failing call's observation as the hint, then the
+    # episode verbatim up to (and through) the error turn.
+    prompt_length = int(batch.prompt_lengths[0])
+    start, end = record.turn_spans[1]
+    hinted = insert_hint(
+        SAMPLE["prompt"],
+        cfg.context.feedback_template.format(feedback=record.feedback.strip()),
+        cfg.context,
+    )
+    hinted_ids, _ = tokenizer.tokenize_messages(
+        hinted, add_generation_prompt=True, strip_thinking=True, enable_thinking=True
+    )
+    teacher_prompt = int(teacher.prompt_lengths[0])
+    assert teacher.tokens[0, :teacher_prompt].tolist() == hinted_ids
+    shift = teacher_prompt - prompt_length
+    assert (
+        teacher.tokens[0, teacher_prompt : end + shift].tolist()
+        == batch.tokens[0, prompt_length:end].tolist()
+    )
+    # Exactly the error turn's tokens, all of them the model's.
+    distilled = torch.nonzero(teacher.completion_mask[0]).flatten() + prompt_length
+    assert distilled.tolist() == list(range(start, end))
+    assert batch.completion_mask[0, start:end].all()
+    # Row 1 (one turn, a wrong answer): that turn, with the reward's feedback as the hint.
+    ((only_start, only_end),) = batch.episodes[1].turn_spans
+    distilled = torch.nonzero(teacher.completion_mask[1]).flatten() + prompt_length
+    assert distilled.tolist() == list(range(only_start, only_end))
+    # The loss takes exactly those tokens.
+    _, metrics = sdpo_channel_loss(
+        model, batch, tokenizer=tokenizer, cfg=cfg, teacher_batch=teacher
+    )
+    assert metrics["sdpo/valid_tokens"] == (end - start) + (only_end - only_start)
+    assert metrics["sdpo/error_turn_tool_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("distill_turns", ["all", "from_error_turn"])
+def test_other_turn_choices_never_distil_tool_output(tiny, distill_turns: str) -> None:  # noqa: F811
+    _, tokenizer, batch = _episodes(tiny)
+    teacher = build_sdpo_teacher_batch(batch, tokenizer=tokenizer, cfg=_sdpo(distill_turns))
+    record, prompt_length = batch.episodes[0], int(batch.prompt_lengths[0])
+    turns = record.turn_spans if distill_turns == "all" else record.turn_spans[1:]
+    distilled = torch.nonzero(teacher.completion_mask[0]).flatten() + prompt_length
+    assert distilled.tolist() == [t for begin, end in turns for t in range(begin, end)]
+
+
+def test_an_unknown_turn_choice_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="distill_turns must be one of"):
+        _sdpo("last_turn")
