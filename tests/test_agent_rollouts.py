@@ -28,15 +28,21 @@ CPU = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
 AGENT = {"tools": ["composer_tune.agents.calculator.calculate"], "max_turns": 3}
 
 
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "347 * 68"}}\n</tool_call>'
+# Per turn, the text of each live row: row 0 of each pair calls the tool then answers right, row 1
+# answers wrong at once.
+CALL_THEN_ANSWER = [[CALL, "12"], ["<think>\n\n</think>\n\n23596"] * 2]
+
+
 class ScriptedEngine:
     """The rollout-engine interface (``generate(prompts, **sampling)``, ``max_model_len``),
-    answering with a fixed script per turn: row 0 of each pair calls the tool then answers
-    right, row 1 answers wrong at once."""
+    answering turn ``k`` of the live rows with ``script[k]`` (default ``CALL_THEN_ANSWER``)."""
 
     max_model_len = 1024
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, script: list[list[str]] | None = None) -> None:
         self.tokenizer, self.turn = tokenizer, 0
+        self.script = script or CALL_THEN_ANSWER
 
     def sync_weights(self, model, version) -> bool:
         return False
@@ -45,8 +51,7 @@ class ScriptedEngine:
         pass
 
     def generate(self, prompts, *, max_new_tokens, stop_tokens, **_) -> GenerationOutput:
-        call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "347 * 68"}}\n</tool_call>'
-        texts = [call, "12"] if self.turn == 0 else ["<think>\n\n</think>\n\n23596"] * len(prompts)
+        texts = self.script[self.turn]
         self.turn += 1
         completions = [self.tokenizer.encode(t) + [stop_tokens[0]] for t in texts[: len(prompts)]]
         return GenerationOutput(

@@ -18,42 +18,19 @@ from composer_tune.channels.sdpo import (
 )
 from composer_tune.channels.sdpo.contexts import insert_hint
 from composer_tune.rewards import MathAnswerReward
-from composer_tune.rollout.generation import GenerationOutput
-from tests.test_agent_rollouts import tiny  # noqa: F401 - the module's model fixture
+from tests.test_agent_rollouts import (  # noqa: F401 - tiny: the model fixture
+    CALL,
+    ScriptedEngine,
+    tiny,
+)
 
 AGENT = {"tools": ["composer_tune.agents.calculator.calculate"], "max_turns": 4}
 SAMPLE = {"prompt": [{"role": "user", "content": "What is 347 * 68 + 5?"}], "answer": "23601"}
-GOOD_CALL = (
-    '<tool_call>\n{"name": "calculate", "arguments": {"expression": "347 * 68"}}\n</tool_call>'
-)
 BAD_CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expr": "23596 + 5"}}\n</tool_call>'
 
-
-class ErrorOnSecondCall:
-    """Row 0: a good tool call, a failing one (wrong argument name), then the right answer;
-    row 1: a wrong answer at once."""
-
-    max_model_len = 1024
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.turn = tokenizer, 0
-
-    def sync_weights(self, model, version) -> bool:
-        return False
-
-    def sleep(self) -> None:
-        pass
-
-    def generate(self, prompts, *, max_new_tokens, stop_tokens, **_) -> GenerationOutput:
-        script = [[GOOD_CALL, "12"], [BAD_CALL], ["23601"]][self.turn]
-        self.turn += 1
-        completions = [self.tokenizer.encode(t) + [stop_tokens[0]] for t in script[: len(prompts)]]
-        return GenerationOutput(
-            completions=completions,
-            completion_lengths=torch.tensor([len(c) for c in completions]),
-            truncated=torch.zeros(len(completions), dtype=torch.bool),
-            logprobs=[torch.full((len(c),), -1.0) for c in completions],
-        )
+# Row 0: a good tool call, a failing one (wrong argument name), then the right answer; row 1: a
+# wrong answer at once.
+ERROR_ON_SECOND_CALL = [[CALL, "12"], [BAD_CALL], ["23601"]]
 
 
 def _episodes(tiny_fixture):
@@ -72,7 +49,7 @@ def _episodes(tiny_fixture):
     batch = sample_rollouts(
         model, [SAMPLE], cfg, tokenizer=tokenizer, reward=MathAnswerReward(reveal_answer=True),
         generator=torch.Generator().manual_seed(0), reference=None, compute_old_logp=False,
-        sync_ranks=False, engine=ErrorOnSecondCall(tokenizer), agent=build_agent(AGENT),
+        sync_ranks=False, engine=ScriptedEngine(tokenizer, ERROR_ON_SECOND_CALL), agent=build_agent(AGENT),
     )  # fmt: skip
     return model, tokenizer, batch
 
