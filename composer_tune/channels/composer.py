@@ -450,13 +450,14 @@ class ComposerObjective:
                         normalization=normalization,
                         sampling_logp=micro.sampling_logp,
                     )
-                    loss = loss + channels.policy_weight * policy
+                    weighted_policy = channels.policy_weight * policy
+                    loss = loss + weighted_policy
                     for name, value in metrics.items():
                         result.metrics[name] = result.metrics.get(name, 0.0) + float(value) / len(
                             micro_batches
                         )
                     if split is not None:
-                        (channels.policy_weight * policy).backward()
+                        weighted_policy.backward()
             if use_sdpo and not one_student_forward:  # channel 2's own student forward
                 with channel_scope(split, "sdpo"):
                     sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)

@@ -166,31 +166,19 @@ def build_sdpo_teacher_batch(
 def _distil_episode_turns(
     batch: TeacherBatch, rollouts: RolloutBatch, distill_turns: str
 ) -> TeacherBatch:
-    """``batch`` with its completion mask cut to the model's tokens of the turns
-    ``distill_turns`` names, and each teacher row's kind of error turn."""
-    width = batch.completion_mask.shape[1]
-    columns = rollouts.prompt_lengths[:, None] + torch.arange(width, device=batch.tokens.device)
-    in_row = columns < rollouts.tokens.shape[1]
-    model_tokens = rollouts.completion_mask.gather(
-        1, columns.clamp(max=rollouts.tokens.shape[1] - 1)
-    )
-    selected = model_tokens & in_row
-    if distill_turns != "all":
-        first = torch.tensor(
-            [record.turn_spans[record.error_turn][0] if record.turn_spans else 0
-             for record in rollouts.episodes],
-            device=columns.device,
-        )  # fmt: skip
-        last = torch.tensor(
-            [
-                record.turn_spans[record.error_turn][1]
-                if distill_turns == "error_turn" and record.turn_spans
-                else rollouts.tokens.shape[1]
-                for record in rollouts.episodes
-            ],
-            device=columns.device,
-        )
-        selected &= (columns >= first[:, None]) & (columns < last[:, None])
+    """``batch`` with its completion mask cut to the turns ``distill_turns`` names (each turn
+    span holds exactly the model's tokens), and each teacher row's kind of error turn."""
+    selected = torch.zeros_like(batch.completion_mask)
+    for row, (record, prompt_length) in enumerate(
+        zip(rollouts.episodes, rollouts.prompt_lengths.tolist(), strict=True)
+    ):
+        spans = record.turn_spans
+        if distill_turns == "error_turn":
+            spans = spans[record.error_turn : record.error_turn + 1]
+        elif distill_turns == "from_error_turn":
+            spans = spans[record.error_turn :]
+        for start, end in spans:
+            selected[row, start - prompt_length : end - prompt_length] = True
     error_turns = [
         ("tool_error" if record.tool_errors else "final_answer") if has_teacher else None
         for record, has_teacher in zip(rollouts.episodes, batch.has_teacher.tolist(), strict=True)
