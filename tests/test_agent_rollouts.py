@@ -71,9 +71,12 @@ def tiny():
     return model, tokenizer, section
 
 
-def test_episode_rollout_batch_trains_only_on_model_tokens(tiny) -> None:
-    model, tokenizer, section = tiny
-    sample = {"prompt": [{"role": "user", "content": "What is 347 * 68?"}], "answer": "23596"}
+def scripted_episodes(
+    tiny_fixture, sample: dict, agent: dict, script: list[list[str]] | None = None, **kwargs
+):
+    """A group of two episodes of ``sample`` driven by ``ScriptedEngine(script)`` through
+    ``sample_rollouts`` (``kwargs``: reward, reference, compute_old_logp)."""
+    model, tokenizer, section = tiny_fixture
     cfg = OmegaConf.merge(
         section,
         {
@@ -85,18 +88,24 @@ def test_episode_rollout_batch_trains_only_on_model_tokens(tiny) -> None:
             "shared_prefix_forward": True,  # the group's episodes share their first prompt
         },
     )
-    batch = sample_rollouts(
+    return sample_rollouts(
         model,
         [sample],
         cfg,
         tokenizer=tokenizer,
-        reward=MathAnswerReward(),
         generator=torch.Generator().manual_seed(0),
-        reference=model,
-        compute_old_logp=True,
         sync_ranks=False,
-        engine=ScriptedEngine(tokenizer),
-        agent=build_agent(AGENT),
+        engine=ScriptedEngine(tokenizer, script),
+        agent=build_agent(agent),
+        **kwargs,
+    )
+
+
+def test_episode_rollout_batch_trains_only_on_model_tokens(tiny) -> None:
+    model, tokenizer, _ = tiny
+    sample = {"prompt": [{"role": "user", "content": "What is 347 * 68?"}], "answer": "23596"}
+    batch = scripted_episodes(
+        tiny, sample, AGENT, reward=MathAnswerReward(), reference=model, compute_old_logp=True
     )
     assert batch.rewards.tolist() == [1.0, 0.0] and batch.correct.tolist() == [True, False]
     tool_row, direct_row = batch.episodes

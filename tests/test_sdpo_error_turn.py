@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from composer_tune.agents import build_agent
-from composer_tune.channels.policy import sample_rollouts
 from composer_tune.channels.sdpo import (
     SDPOChannelConfig,
     build_sdpo_teacher_batch,
@@ -20,7 +17,7 @@ from composer_tune.channels.sdpo.contexts import insert_hint
 from composer_tune.rewards import MathAnswerReward
 from tests.test_agent_rollouts import (  # noqa: F401 - tiny: the model fixture
     CALL,
-    ScriptedEngine,
+    scripted_episodes,
     tiny,
 )
 
@@ -34,22 +31,10 @@ ERROR_ON_SECOND_CALL = [[CALL, "12"], [BAD_CALL], ["23601"]]
 
 
 def _episodes(tiny_fixture):
-    model, tokenizer, section = tiny_fixture
-    cfg = OmegaConf.merge(
-        section,
-        {
-            "group_size": 2,
-            "micro_batch_size": 2,
-            "top_k": None,
-            "top_p": None,
-            "logprob_chunk_size": 1024,
-            "shared_prefix_forward": True,
-        },
-    )
-    batch = sample_rollouts(
-        model, [SAMPLE], cfg, tokenizer=tokenizer, reward=MathAnswerReward(reveal_answer=True),
-        generator=torch.Generator().manual_seed(0), reference=None, compute_old_logp=False,
-        sync_ranks=False, engine=ScriptedEngine(tokenizer, ERROR_ON_SECOND_CALL), agent=build_agent(AGENT),
+    model, tokenizer, _ = tiny_fixture
+    batch = scripted_episodes(
+        tiny_fixture, SAMPLE, AGENT, ERROR_ON_SECOND_CALL,
+        reward=MathAnswerReward(reveal_answer=True), reference=None, compute_old_logp=False,
     )  # fmt: skip
     return model, tokenizer, batch
 
