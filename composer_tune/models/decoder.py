@@ -174,10 +174,25 @@ class GroupedQueryAttention(MultiHeadAttention):
         k = self.pos_embeddings(k, input_pos=input_pos).transpose(1, 2)
         v = v.transpose(1, 2)
 
+        grouped = self.num_heads != self.num_kv_heads
         if self.kv_cache is not None and self.cache_enabled:
             k, v = self.kv_cache.update(k, v)
+            if grouped and q.device.type == "cpu" and isinstance(mask, torch.Tensor):
+                # Sampling on CPU: SDPA reads the grouped cache as it is. Expanding it to every
+                # query head copied the whole cache once per layer and token, a fifth of a
+                # SmolLM2 decode step. On CUDA a masked GQA call may fall back to the math
+                # kernel, so there the cache is still expanded.
+                filled = self.kv_cache.size  # slots past it are empty and masked
+                out = nn.functional.scaled_dot_product_attention(
+                    q,
+                    k[:, :, :filled],
+                    v[:, :, :filled],
+                    attn_mask=mask[:, None, :, :filled],
+                    enable_gqa=True,
+                )
+                return self.output_proj(out.transpose(1, 2).reshape(b, s_x, -1))
 
-        if self.num_heads != self.num_kv_heads:
+        if grouped:
             q_per_kv = self.num_heads // self.num_kv_heads
             expand_shape = (b, self.num_kv_heads, q_per_kv, -1, self.head_dim)
             k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)
