@@ -112,7 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others 50-100%")
+    parser.add_argument(
+        "--prompt-len", type=int, default=32, help="longest prompt; others 50-100%%"
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     # One thread by default: on a shared machine, OpenMP workers waiting on each other swamp
