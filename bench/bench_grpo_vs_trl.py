@@ -868,8 +868,8 @@ def plot_sweep(points: list[dict[str, Any]], path: Path) -> None:
         xs = [p["setup"][x_key] for p in chosen]
         for name in chosen[0]["sides"]:
             label = chosen[0]["sides"][name].get("variant") or name
-            (line,) = axis.plot(xs, [p["sides"][name]["median_s"] for p in chosen], "o-")
-            line.set_label(label)
+            medians = [p["sides"][name]["median_s"] for p in chosen]
+            (line,) = axis.plot(xs, medians, "o-", label=label)
             axis.plot(xs, [p["sides"][name]["min_s"] for p in chosen], "--", color=line.get_color())
         axis.set_xlabel(f"{x_key.replace('_', ' ')} ({fixed_key.replace('_', ' ')} {fixed})")
         axis.set_ylabel("median s / GRPO step")
