@@ -73,18 +73,36 @@ def test_splits_partition_a_small_problem_space_exhaustively() -> None:
     """With one-digit operands every problem is drawn many times; the splits never overlap."""
     kwargs = dict(operations=("add", "sub", "mul"), min_digits=1, max_digits=1)
     kwargs["heldout_fraction"] = 0.3
+    space = (
+        [ArithmeticProblem("add", a, b) for a, b in product(range(10), repeat=2)]
+        + [ArithmeticProblem("sub", a, b) for a, b in product(range(10), repeat=2) if a >= b]
+        + [ArithmeticProblem("mul", a, b) for a, b in product(range(10), range(2, 10))]
+    )
+    heldout_size = sum(split_of(p, 0.3) == "heldout" for p in space)
     train, heldout = set(), set()
     for seed in range(3):
         train |= {_problem_key(s) for s in SyntheticArithmetic("train", 2000, seed, **kwargs)}
-        heldout |= {_problem_key(s) for s in SyntheticArithmetic("heldout", 1000, seed, **kwargs)}
-    space = (
-        {("+", a, b) for a, b in product(range(10), repeat=2)}
-        | {("-", a, b) for a, b in product(range(10), repeat=2) if a >= b}
-        | {("*", a, b) for a, b in product(range(10), range(2, 10))}
-    )
+        # Held-out problems are distinct, so asking for the split's size draws all of it.
+        drawn = SyntheticArithmetic("heldout", heldout_size, seed, **kwargs)
+        heldout |= {_problem_key(s) for s in drawn}
+        with pytest.raises(RuntimeError, match="no new 'heldout' problem .* lower num_samples"):
+            SyntheticArithmetic("heldout", heldout_size + 1, seed, **kwargs)
     assert not train & heldout
-    assert train | heldout == space  # every problem lands in exactly one split
-    assert 0.2 < len(heldout) / len(space) < 0.4
+    # every problem lands in exactly one split
+    assert train | heldout == {(p.symbol, p.a, p.b) for p in space}
+    assert 0.2 < heldout_size / len(space) < 0.4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_heldout_problems_are_distinct_and_the_first_indices_keep_their_problems(seed: int) -> None:
+    kwargs = dict(operations=("add", "sub", "mul"), min_digits=1, max_digits=2)
+    heldout = SyntheticArithmetic("heldout", 256, seed, **kwargs)
+    problems = [heldout.problem(i) for i in range(len(heldout))]
+    assert len(set(problems)) == len(problems)
+    # A longer set extends a shorter one: index i's problem depends on indices < i only.
+    assert [SyntheticArithmetic("heldout", 64, seed, **kwargs).problem(i) for i in range(64)] == (
+        problems[:64]
+    )
 
 
 def test_heldout_share_of_a_large_space_matches_the_fraction() -> None:

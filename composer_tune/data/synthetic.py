@@ -184,9 +184,10 @@ def _sub_columns(a: int, b: int) -> str:
 class SyntheticArithmetic(Dataset):
     """Map-style dataset of seeded arithmetic problems in the project's sample format.
 
-    Sample ``i`` is a pure function of ``(seed, split, i)`` and the difficulty knobs, so any
-    worker or rank sees the same problem at the same index. Problems are drawn with replacement
-    (duplicates are possible when the problem space is small).
+    Sample ``i`` is a function of ``(seed, split, i)`` and the difficulty knobs only, so any
+    worker or rank sees the same problem at the same index. Training problems are drawn with
+    replacement; held-out problems are all distinct (index ``i`` takes its first draw that no
+    earlier index holds), so an accuracy over ``num_samples`` counts ``num_samples`` problems.
 
     Args:
         split: "train" or "heldout"; the two never share a problem (see ``split_of``).
@@ -286,6 +287,7 @@ class SyntheticArithmetic(Dataset):
         self.hint_rate = hint_rate
         self.hint_templates = hint_templates
         self.hinted_question_template = hinted_question_template
+        self._heldout = self._distinct_heldout_problems() if split == "heldout" else None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -303,23 +305,38 @@ class SyntheticArithmetic(Dataset):
             a, b = b, a
         return ArithmeticProblem(op, a, b)
 
-    def problem(self, index: int) -> ArithmeticProblem:
-        """The problem at ``index``: drawn until one falls in this dataset's split."""
-        if not 0 <= index < self.num_samples:
-            raise IndexError(
-                f"SyntheticArithmetic: index {index} out of range for {self.num_samples} samples"
-            )
+    def _draw_in_split(self, index: int, taken: set[ArithmeticProblem]) -> ArithmeticProblem:
+        """Index ``index``'s first draw that falls in this dataset's split and is not taken."""
         # A string seed is hashed with SHA-512 by `random`, so it is stable across processes.
         rng = random.Random(f"{self.seed}:{self.split}:{index}")
         for _ in range(_MAX_DRAWS):
             problem = self._draw(rng)
-            if split_of(problem, self.heldout_fraction) == self.split:
+            if problem not in taken and split_of(problem, self.heldout_fraction) == self.split:
                 return problem
         raise RuntimeError(
-            f"SyntheticArithmetic: no {self.split!r} problem in {_MAX_DRAWS} draws with "
-            f"operations={self.operations}, digits {self.min_digits}-{self.max_digits}, "
-            f"heldout_fraction={self.heldout_fraction}; widen the problem space"
+            f"SyntheticArithmetic: no {'new ' if taken else ''}{self.split!r} problem in "
+            f"{_MAX_DRAWS} draws for index {index} with operations={self.operations}, digits "
+            f"{self.min_digits}-{self.max_digits}, heldout_fraction={self.heldout_fraction}; "
+            f"widen the problem space or lower num_samples"
         )
+
+    def _distinct_heldout_problems(self) -> list[ArithmeticProblem]:
+        problems: list[ArithmeticProblem] = []
+        taken: set[ArithmeticProblem] = set()
+        for index in range(self.num_samples):
+            problems.append(self._draw_in_split(index, taken))
+            taken.add(problems[-1])
+        return problems
+
+    def problem(self, index: int) -> ArithmeticProblem:
+        """The problem at ``index`` (held out: distinct from every other index's)."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(
+                f"SyntheticArithmetic: index {index} out of range for {self.num_samples} samples"
+            )
+        if self._heldout is not None:
+            return self._heldout[index]
+        return self._draw_in_split(index, set())
 
     def _question(self, problem: ArithmeticProblem, index: int) -> str:
         if self.style == "word":
