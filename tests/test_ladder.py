@@ -165,6 +165,7 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
         for step in report:
             mean, std = _mean_std_by_hand([truth[k]["accuracy"][step] for k in keys])
             expected_cells.append(f"{mean:.3f} ± {std:.3f}")
+        expected_cells.append(f"{std / len(seeds) ** 0.5:.3f}")  # the final step's
         mean, std = _mean_std_by_hand([truth[k]["wall"] for k in keys])
         expected_cells.append(f"{mean:.0f} ± {std:.0f}")
         tokens = [results["runs"][k]["generated_tokens"] for k in keys]

@@ -35,8 +35,9 @@ table below), ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std 
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
 run and retries failed ones. Arms can also run as separate ladders side by side (one ``--out``
 each, e.g. one per core) and be combined into one table with ``--combine``. The table, per arm: held-out accuracy at step 0, at the last
-evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, wall time per run, generated tokens per run (see below) and the
-number of seeds.
+evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, the
+standard error of the final accuracy, wall time per run, generated tokens per run (see below)
+and the number of seeds.
 
 Tokens: every RL recipe logs ``tokens/generated``, the completion tokens it has sampled since
 step 0 over all its ranks (kept across a resume), at every logged step. A run's generated tokens
@@ -517,20 +518,30 @@ def reward_series(record: dict[str, Any]) -> list[list[float]]:
     return [[step, statistics.fmean(values)] for step, values in sorted(by_step.items())]
 
 
+def fmt_standard_error(values: Sequence[float], digits: int) -> str:
+    """A table cell: the standard error of the mean (sample std / sqrt(n)); "–" below 2 values."""
+    if len(values) < 2:
+        return "–"
+    return f"{statistics.stdev(values) / math.sqrt(len(values)):.{digits}f}"
+
+
 def table_rows(results: dict[str, Any], arms: Sequence[str], steps: Sequence[int]) -> list[str]:
-    """The markdown table: per arm, accuracy at ``steps``, wall time, tokens, seeds."""
+    """The markdown table: per arm, accuracy at ``steps`` (mean ± std), the standard error of
+    the final accuracy, wall time, tokens, seeds."""
     header = (
         "| arm | "
         + " | ".join(f"held-out acc @ step {step}" for step in steps)
-        + " | wall time / run (s) | generated tokens / run | seeds |"
+        + " | final acc std error | wall time / run (s) | generated tokens / run | seeds |"
     )
-    rows = [header, "|" + " --- |" * (len(steps) + 4)]
+    rows = [header, "|" + " --- |" * (len(steps) + 5)]
     for key in arms:
         records = ok_records(results, key)
         cells = [ARMS[key].title]
+        at_step: list[float | None] = []
         for step in steps:
             at_step = [value_at(accuracy_series(r), step) for r in records]
             cells.append(fmt_mean_std([v for v in at_step if v is not None], 3))
+        cells.append(fmt_standard_error([v for v in at_step if v is not None], 3))
         cells.append(fmt_mean_std([r["wall_s"] for r in records], 0))
         cells.append(fmt_mean_std([r["generated_tokens"] for r in records], 0))
         failed = sorted(
@@ -553,11 +564,13 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Warm start: `{results.get('warm_start', {}).get('path', '?')}`; every arm "
         f"{settings['steps']} optimizer steps (DiLoCo: inner steps per replica), seeds "
         f"{settings['seeds']}, held-out evaluation every {settings['eval_every']} steps on "
-        f"{', '.join(f'{k}={v}' for k, v in settings['heldout'].items())}.",
+        f"{', '.join(f'{k}={v}' for k, v in settings['heldout'].items())} (held-out problems "
+        "are distinct: num_samples counts them).",
         "",
         *table_rows(results, settings["arms"], steps),
         "",
-        "Held-out accuracy: greedy, mean ± sample std over the seeds that finished. Wall time: the "
+        "Held-out accuracy: greedy, mean ± sample std over the seeds that finished; its standard "
+        "error is the final step's sample std / sqrt(seeds). Wall time: the "
         "whole `tune run` (start-up and evaluations included). Generated tokens: completion tokens "
         "sampled, the runs' logged `tokens/generated` (summed over replicas); prompt tokens and "
         "DPO pairs not included.",
