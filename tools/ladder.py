@@ -34,10 +34,11 @@ table below), ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std 
 ``accuracy_vs_tokens.png`` (each run's accuracy against its generated tokens). A failed
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
 run and retries failed ones. Arms can also run as separate ladders side by side (one ``--out``
-each, e.g. one per core) and be combined into one table with ``--combine``. The table, per arm: held-out accuracy at step 0, at the last
-evaluation at or before half-way, and at the final step, as mean ± sample std over seeds, the
-standard error of the final accuracy, wall time per run, generated tokens per run (see below)
-and the number of seeds.
+each, e.g. one per core) and be combined into one table with ``--combine``, as can a peer's
+results (``PEER_ARMS``: tools/trl_sdpo_peer.py runs TRL's SDPOTrainer on the smollm2_trl task).
+The table, per arm: held-out accuracy at step 0, at the last evaluation at or before half-way,
+and at the final step, as mean ± sample std over seeds, the standard error of the final
+accuracy, wall time per run, generated tokens per run (see below) and the number of seeds.
 
 Tokens: every RL recipe logs ``tokens/generated``, the completion tokens it has sampled since
 step 0 over all its ranks (kept across a resume), at every logged step. A run's generated tokens
@@ -122,6 +123,14 @@ ARMS = {
         ),
     )
 }
+# Peers the ladder does not run: a tool of their own runs one and writes a ladder results.json
+# (one arm) that --combine joins with the ladder's, so a peer has a title and a place in the
+# table and plots, but no `tune run` (and is no choice of --arms).
+PEER_ARMS = {
+    arm.key: arm
+    for arm in (Arm("trl_sdpo", "TRL 1.16 SDPOTrainer (peer)", "tools/trl_sdpo_peer.py"),)
+}
+TITLED_ARMS = {**ARMS, **PEER_ARMS}  # every arm a results table can hold, in table order
 SFT_RECIPE = "recipes/sft.py"
 NO_SFT = "none"  # --sft-config value: no SFT run, the arms start from their configs' checkpoint
 # The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
@@ -536,7 +545,7 @@ def table_rows(results: dict[str, Any], arms: Sequence[str], steps: Sequence[int
     rows = [header, "|" + " --- |" * (len(steps) + 5)]
     for key in arms:
         records = ok_records(results, key)
-        cells = [ARMS[key].title]
+        cells = [TITLED_ARMS[key].title]
         at_step: list[float | None] = []
         for step in steps:
             at_step = [value_at(accuracy_series(r), step) for r in records]
@@ -632,7 +641,7 @@ def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
             if not steps:
                 continue
             (line,) = axes.plot(
-                steps, means, marker=marker, label=f"{ARMS[key].title} (n={len(records)})"
+                steps, means, marker=marker, label=f"{TITLED_ARMS[key].title} (n={len(records)})"
             )
             low = [m - s for m, s in zip(means, stds, strict=True)]
             high = [m + s for m, s in zip(means, stds, strict=True)]
@@ -659,7 +668,7 @@ def _plot_accuracy_vs_tokens(results: dict[str, Any], out: Path, plt: Any) -> Pa
             points = accuracy_by_tokens(record)
             if not points:
                 continue
-            label = f"{ARMS[key].title} (n={len(ok_records(results, key))})"
+            label = f"{TITLED_ARMS[key].title} (n={len(ok_records(results, key))})"
             axes.plot(
                 [tokens for tokens, _ in points],
                 [accuracy for _, accuracy in points],
@@ -714,7 +723,8 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
         )
         combined["settings"]["command"].append(part["settings"]["command"])
         combined["runs"].update(part["runs"])
-    combined["settings"]["arms"] = [key for key in ARMS if key in combined["settings"]["arms"]]
+    arms = combined["settings"]["arms"]
+    combined["settings"]["arms"] = [key for key in TITLED_ARMS if key in arms]
     combined["settings"]["command"] = "` and `".join(combined["settings"]["command"])
     return combined
 
