@@ -28,11 +28,14 @@ pytestmark = pytest.mark.slow
 # a flipped advantage sign loses about 0.3 within 40 steps (checked below): neither can pass it.
 MARGIN = 0.01
 # RL needs room. The SFT trajectory differs by CPU (float rounding): the same seed reached 0.445
-# held-out accuracy at step 700 on an AVX512 machine, 0.668 on an AVX2 AMD EPYC. From that 0.668,
-# 150 GRPO steps lowered greedy accuracy (to 0.633 at lr 3e-5, 0.645 at 1e-4), while from the
-# same run's step-500 checkpoint (0.453) they raised it to 0.566. So the learning test starts
-# from the newest SFT checkpoint whose held-out accuracy is at most ROOM_ACCURACY.
-ROOM_ACCURACY = 0.5
+# held-out accuracy at step 700 on an AVX512 machine, 0.668 on an AVX2 AMD EPYC (both on the old
+# held-out set with repeats). From that 0.668, 150 GRPO steps lowered greedy accuracy (to 0.633
+# at lr 3e-5), while from the same run's step-500 checkpoint (0.453) they raised it to 0.566. On
+# the distinct held-out set the same AVX2 SFT run scores 0.309 / 0.441 / 0.477 at steps
+# 500 / 600 / 700; 150 GRPO steps take 0.309 -> 0.363 and 0.441 -> 0.438, and flipped
+# advantages take 0.309 -> 0.062 in 40 steps. So the learning test starts from the newest SFT
+# checkpoint whose held-out accuracy is at most ROOM_ACCURACY.
+ROOM_ACCURACY = 0.35
 
 # Small, quick runs for the mechanics tests (not for learning). Their reward is a dense stand-in
 # (the answer ends in an odd digit), so every group has reward spread and every step a gradient;
