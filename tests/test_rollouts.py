@@ -243,25 +243,56 @@ def test_bad_arguments_are_named(tokenizer, samples) -> None:
         )
 
 
+@dataclass
+class _Rows:
+    """The fields of a rollout batch that ``rollout_metrics`` reads."""
+
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    completion_lengths: torch.Tensor
+    truncated: torch.Tensor
+    group_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.rewards.numel()
+
+
 def test_rollout_metrics_leave_unscored_rewards_out_and_count_them() -> None:
-    @dataclass
-    class Rows:
-        rewards: torch.Tensor
-        correct: torch.Tensor
-        completion_lengths: torch.Tensor
-        truncated: torch.Tensor
-
-        def __len__(self) -> int:
-            return self.rewards.numel()
-
-    rows = Rows(
+    rows = _Rows(
         rewards=torch.tensor([1.0, float("nan"), 0.0, 0.5]),
         correct=torch.tensor([True, False, False, False]),
         completion_lengths=torch.tensor([4, 8, 2, 2]),
         truncated=torch.tensor([False, True, False, False]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
     )
     metrics = rollout_metrics(rows)
     assert metrics["reward/mean"] == pytest.approx(0.5)  # (1 + 0 + 0.5) / 3
     assert metrics["reward/std"] == pytest.approx(math.sqrt((0.25 + 0.25 + 0) / 3))
     assert metrics["reward/unscored"] == pytest.approx(0.25)
     assert metrics["accuracy"] == pytest.approx(0.25)
+    # Group 0 has one scored row (no spread) and a correct one; group 1 spreads, none correct.
+    assert metrics["groups/zero_reward_std"] == pytest.approx(0.5)
+    assert metrics["groups/no_correct"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "correct", "zero_std", "no_correct"),
+    [
+        ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0, 0, 0], 1.0, 1.0),  # the hard split's case
+        ([1.0, 1.0, 0.5, 0.0, 1.0, 0.5], [1, 1, 0, 0, 1, 0], 1 / 3, 1 / 3),
+        ([0.0, 1.0, 0.2, 0.2, float("nan"), float("nan")], [0, 1, 0, 0, 0, 0], 2 / 3, 2 / 3),
+    ],
+)
+def test_group_metrics_count_groups_grpo_cannot_learn_from(
+    rewards: list[float], correct: list[int], zero_std: float, no_correct: float
+) -> None:
+    rows = _Rows(
+        rewards=torch.tensor(rewards),
+        correct=torch.tensor(correct, dtype=torch.bool),
+        completion_lengths=torch.ones(6),
+        truncated=torch.zeros(6, dtype=torch.bool),
+        group_ids=torch.arange(3).repeat_interleave(2),
+    )
+    metrics = rollout_metrics(rows)
+    assert metrics["groups/zero_reward_std"] == pytest.approx(zero_std)
+    assert metrics["groups/no_correct"] == pytest.approx(no_correct)

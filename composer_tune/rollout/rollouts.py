@@ -427,13 +427,24 @@ def collect_rollouts(
 
 
 def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics over every rank's rollouts
+    """Reward, accuracy, length, truncation and group statistics over every rank's rollouts
     (collective). Reward statistics are over the scored rows; ``reward/unscored`` is the
-    fraction whose reward is NaN (the reward could not score them: zero advantage)."""
+    fraction whose reward is NaN (the reward could not score them: zero advantage).
+    ``groups/zero_reward_std`` is the share of groups whose scored rewards are all equal (fewer
+    than two count as equal), so GRPO's advantage is zero for every row (TRL's
+    ``frac_reward_zero_std``); ``groups/no_correct`` the share with no correct row, where a
+    group has no success of its own to learn from (SDPO's premise)."""
     rewards = rollout.rewards.double()
     scored = ~torch.isnan(rewards)
     scored_rewards = torch.where(scored, rewards, torch.zeros_like(rewards))
     lengths = rollout.completion_lengths.double()
+    groups = rollout.group_ids.long()
+    num_groups = int(groups.max()) + 1 if groups.numel() else 0
+    lowest = torch.full((num_groups,), math.inf, dtype=torch.float64, device=rewards.device)
+    lowest = lowest.scatter_reduce(0, groups, torch.where(scored, rewards, math.inf), "amin")
+    highest = torch.full_like(lowest, -math.inf)
+    highest = highest.scatter_reduce(0, groups, torch.where(scored, rewards, -math.inf), "amax")
+    correct_per_group = torch.zeros_like(lowest).index_add(0, groups, rollout.correct.double())
     sums = torch.stack(
         [
             torch.tensor(float(len(rollout)), dtype=torch.float64, device=rewards.device),
@@ -443,11 +454,15 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
             rollout.correct.double().sum(),
             lengths.sum(),
             rollout.truncated.double().sum(),
+            torch.tensor(float(num_groups), dtype=torch.float64, device=rewards.device),
+            (~(highest > lowest)).double().sum(),
+            (correct_per_group == 0).double().sum(),
         ]
     )
-    count, num_scored, reward_sum, reward_sq, correct, length_sum, truncated = all_reduce_sum(
-        sums
-    ).tolist()
+    (
+        count, num_scored, reward_sum, reward_sq, correct, length_sum, truncated,
+        group_count, zero_std_groups, no_correct_groups,
+    ) = all_reduce_sum(sums).tolist()  # fmt: skip
     mean = reward_sum / max(num_scored, 1.0)
     metrics = {
         "reward/mean": mean,
@@ -456,6 +471,8 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
         "accuracy": correct / count,
         "completion_length/mean": length_sum / count,
         "truncation_rate": truncated / count,
+        "groups/zero_reward_std": zero_std_groups / max(group_count, 1.0),
+        "groups/no_correct": no_correct_groups / max(group_count, 1.0),
     }
     episodes = getattr(rollout, "episodes", None)  # duck-typed batches may lack the field
     if episodes is not None:
