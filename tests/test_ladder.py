@@ -512,3 +512,26 @@ def test_combine_merges_ladders_of_different_arms_and_refuses_unequal_ones(
         with pytest.raises(SystemExit):
             ladder.main(["--combine", *map(str, parts), "--out", str(tmp_path / "x")])
         assert reason in capsys.readouterr().err
+
+
+def test_results_with_another_budget_cadence_heldout_set_or_warm_start_do_not_combine() -> None:
+    settings = {
+        "steps": 8,
+        "eval_every": 2,
+        "heldout": {"num_samples": 16},
+        "seeds": [0],
+        "command": "c",
+    }
+    first = {"settings": {**settings, "arms": ["a1"]}, "warm_start": {"path": "/sft"}, "runs": {}}
+    second = {**first, "settings": {**settings, "arms": ["a2"]}}
+    assert ladder.settings_clash(first, second) is None
+    assert ladder.combine_results([first, second], [Path("a"), Path("b")])["runs"] == {}
+    for key, value in {"steps": 9, "eval_every": 4, "heldout": {"num_samples": 32}}.items():
+        other = {**second, "settings": {**second["settings"], key: value}}
+        assert ladder.settings_clash(first, other) == key
+        with pytest.raises(ValueError, match=f"^b: {key} .* differs from a's"):
+            ladder.combine_results([first, other], [Path("a"), Path("b")])
+    other = {**second, "warm_start": {"path": "/elsewhere"}}
+    assert ladder.settings_clash(first, other) == "warm_start"
+    with pytest.raises(ValueError, match="^b: another warm start than a's"):
+        ladder.combine_results([first, other], [Path("a"), Path("b")])

@@ -689,6 +689,18 @@ def _plot_accuracy_vs_tokens(results: dict[str, Any], out: Path, plt: Any) -> Pa
     return path
 
 
+def settings_clash(reference: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """Why ``other``'s runs cannot share a table with ``reference``'s (two results files): the
+    first differing ``settings`` key of "steps", "eval_every", "heldout", or "warm_start";
+    None when they compare."""
+    for key in ("steps", "eval_every", "heldout"):
+        if other["settings"][key] != reference["settings"][key]:
+            return key
+    if other.get("warm_start", {}).get("path") != reference.get("warm_start", {}).get("path"):
+        return "warm_start"
+    return None
+
+
 def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) -> dict[str, Any]:
     """One results file from ladders that ran different arms (e.g. in parallel, one per core)
     with otherwise identical settings; their seeds may differ (the table counts each arm's seeds,
@@ -706,14 +718,14 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
     for part, source in zip(parts, sources, strict=True):
         if "settings" not in part:
             raise ValueError(f"{source}: no ladder results (results.json has no settings)")
-        for key in ("steps", "eval_every", "heldout"):
-            if part["settings"][key] != first["settings"][key]:
-                raise ValueError(
-                    f"{source}: {key} {part['settings'][key]} differs from {sources[0]}'s "
-                    f"{first['settings'][key]}: only ladders with equal settings combine"
-                )
-        if part.get("warm_start", {}).get("path") != combined["warm_start"].get("path"):
+        clash = settings_clash(first, part)
+        if clash == "warm_start":
             raise ValueError(f"{source}: another warm start than {sources[0]}'s")
+        if clash:
+            raise ValueError(
+                f"{source}: {clash} {part['settings'][clash]} differs from {sources[0]}'s "
+                f"{first['settings'][clash]}: only ladders with equal settings combine"
+            )
         overlap = set(part["settings"]["arms"]) & set(combined["settings"]["arms"])
         if overlap:
             raise ValueError(f"{source}: arms {sorted(overlap)} are in two of the ladders")

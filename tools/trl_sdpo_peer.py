@@ -348,14 +348,14 @@ def results_of(
     results = ladder.load_results(out / "results.json")
     if results["runs"]:
         earlier = results["settings"]
-        for key in ("steps", "eval_every", "heldout"):
-            if earlier[key] != settings[key]:
-                raise ValueError(
-                    f"{out} holds runs with {key} {earlier[key]}, not {settings[key]}: "
-                    "use another --out for these settings"
-                )
-        if results["warm_start"] != warm_start:
+        clash = ladder.settings_clash(results, {"settings": settings, "warm_start": warm_start})
+        if clash == "warm_start":
             raise ValueError(f"{out} holds runs from another checkpoint: use another --out")
+        if clash:
+            raise ValueError(
+                f"{out} holds runs with {clash} {earlier[clash]}, not {settings[clash]}: "
+                "use another --out for these settings"
+            )
         settings["seeds"] = sorted({*earlier["seeds"], cfg.seed})
         if settings["command"] not in earlier["command"].split("` and `"):
             settings["command"] = f"{earlier['command']}` and `{settings['command']}"
