@@ -22,6 +22,25 @@ if TYPE_CHECKING:
     from composer_tune.agents import AgentRuntime, EpisodeRecord
 
 
+@dataclass(frozen=True)
+class EvalSampling:
+    """A sampled held-out evaluation (config ``eval_sampling``): ``samples_per_problem``
+    completions (or episodes) per problem at ``temperature``, from a generator seeded by
+    ``seed``."""
+
+    samples_per_problem: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.samples_per_problem < 1:
+            raise ValueError(
+                f"eval_sampling.samples_per_problem must be >= 1, got {self.samples_per_problem}"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"eval_sampling.temperature must be > 0, got {self.temperature}")
+
+
 @dataclass
 class EvalResult:
     accuracy: float
@@ -30,21 +49,37 @@ class EvalResult:
     mean_completion_tokens: float
     # A few (prompt, completion, gold) triples from rank 0, for logs and eyeballing.
     examples: list[dict[str, str]] = field(default_factory=list)
-    # Agent episodes only: eval/turns, eval/tool_calls, eval/tool_errors, eval/truncated ...
+    # Agent episodes only: turns, tool_calls, tool_errors, truncated, ... (logged under prefix)
     episode_metrics: dict[str, float] = field(default_factory=dict)
+    # A sampled evaluation (mean success over samples_per_problem completions per problem;
+    # num_samples counts every completion) instead of greedy pass@1.
+    sampled: bool = False
+    samples_per_problem: int = 1
+
+    @property
+    def prefix(self) -> str:
+        """``eval/`` for greedy decoding, ``eval_sampled/`` for the mean over samples."""
+        return "eval_sampled/" if self.sampled else "eval/"
 
     def metrics(self) -> dict[str, float]:
         """The metrics every recipe logs for a held-out evaluation (tools/ladder.py and the tests
-        read these names)."""
-        return {
-            "eval/accuracy": self.accuracy,
-            "eval/reward_mean": self.reward_mean,
-            "eval/completion_tokens": self.mean_completion_tokens,
+        read these names): ``eval/...`` greedy, ``eval_sampled/...`` sampled."""
+        metrics = {
+            "accuracy": self.accuracy,
+            "reward_mean": self.reward_mean,
+            "completion_tokens": self.mean_completion_tokens,
             **self.episode_metrics,
         }
+        return {self.prefix + key: value for key, value in metrics.items()}
 
     def summary(self) -> str:
         """The recipes' console line for it, after their ``[step N]`` prefix."""
+        if self.sampled:
+            problems = self.num_samples // self.samples_per_problem
+            return (
+                f"held-out accuracy (sampled, mean of {self.samples_per_problem} per problem) "
+                f"{self.accuracy:.3f} over {problems} problems"
+            )
         return (
             f"held-out accuracy {self.accuracy:.3f} over {self.num_samples} problems; "
             f"e.g. {self.examples[:2]}"
@@ -64,17 +99,30 @@ def evaluate_heldout(
     enable_thinking: bool = False,
     num_examples: int = 3,
     agent: AgentRuntime | None = None,
+    sampling: EvalSampling | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of ``model`` on ``dataset``: accuracy (``RewardResult.correct``) and mean
     reward. Collective under torchrun: every rank must call it.
+
+    With ``sampling``, each problem is instead sampled ``samples_per_problem`` times at its
+    temperature from a generator seeded by its seed (the same draws for every checkpoint
+    evaluated), and accuracy is the mean success over all samples (avg@k): what a policy
+    trained on sampled rollouts is optimised for, where greedy decoding hides how often the
+    policy takes each path.
 
     With an ``agent``, each problem is a greedy episode (the agent's limits replace
     ``max_new_tokens``): accuracy is episode success, completion tokens count the model's own,
     and the episode metrics are added (``eval/turns``, ``eval/tool_calls``, ...,
     ``eval/tool_use_rate``: the share of episodes with at least one tool call)."""
-    indices = list(range(dist_info.rank, len(dataset), dist_info.world_size))
+    repeats = sampling.samples_per_problem if sampling else 1
+    own = range(dist_info.rank, len(dataset), dist_info.world_size)
+    indices = [index for index in own for _ in range(repeats)]
+    generator = None
+    if sampling is not None:
+        generator = torch.Generator(device=dist_info.device)
+        generator.manual_seed(sampling.seed + dist_info.rank)
     # Equal batch counts on every rank: FSDP forwards are collectives.
-    per_rank = -(-len(dataset) // dist_info.world_size)
+    per_rank = -(-len(dataset) // dist_info.world_size) * repeats
     num_batches = -(-per_rank // batch_size)
     totals = torch.zeros(4, dtype=torch.float64)  # correct, reward, samples, completion tokens
     examples: list[dict[str, str]] = []
@@ -89,7 +137,9 @@ def evaluate_heldout(
                 tokenizer,
                 samples,
                 reward,
-                greedy=True,
+                greedy=sampling is None,
+                temperature=sampling.temperature if sampling else 1.0,
+                generator=generator,
                 sync_ranks=dist_info.is_distributed,
                 enable_thinking=enable_thinking,
             )
@@ -101,7 +151,9 @@ def evaluate_heldout(
                 encode_prompts(tokenizer, samples, enable_thinking=enable_thinking),
                 max_new_tokens=max_new_tokens,
                 pad_id=tokenizer.pad_id,
-                greedy=True,
+                greedy=sampling is None,
+                temperature=sampling.temperature if sampling else 1.0,
+                generator=generator,
                 stop_tokens=tokenizer.stop_tokens,
                 sync_ranks=dist_info.is_distributed,
             )
@@ -124,9 +176,9 @@ def evaluate_heldout(
     count = max(int(totals[2]), 1)
     episode_stats: dict[str, float] = {}
     if agent is not None:
-        episode_stats = episode_metrics(records, "eval/", totals.device)
+        episode_stats = episode_metrics(records, "", totals.device)
         used = torch.tensor([float(sum(bool(r.tool_calls) for r in records))], dtype=torch.float64)
-        episode_stats["eval/tool_use_rate"] = float(all_reduce_sum(used)) / count
+        episode_stats["tool_use_rate"] = float(all_reduce_sum(used)) / count
     return EvalResult(
         accuracy=float(totals[0]) / count,
         reward_mean=float(totals[1]) / count,
@@ -134,4 +186,6 @@ def evaluate_heldout(
         mean_completion_tokens=float(totals[3]) / count,
         examples=examples,
         episode_metrics=episode_stats,
+        sampled=sampling is not None,
+        samples_per_problem=repeats,
     )

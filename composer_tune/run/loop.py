@@ -44,7 +44,7 @@ from composer_tune.checkpointing.run_state import (
     save_run_checkpoint,
 )
 from composer_tune.distributed import DistInfo, all_reduce_sum, barrier, peak_memory_metrics
-from composer_tune.evaluation import EvalResult, evaluate_heldout
+from composer_tune.evaluation import EvalResult, EvalSampling, evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
@@ -516,24 +516,31 @@ def evaluate_generation(
     **options: Any,
 ) -> EvalResult | None:
     """Greedy held-out accuracy (None without ``eval_dataset``), logged and printed as
-    ``[where] summary``; ``options`` go to ``evaluate_heldout``."""
+    ``[where] summary``, then the sampled one when ``cfg.eval_sampling`` asks for it (logged
+    too); returns the greedy result. ``options`` go to ``evaluate_heldout``."""
     if eval_dataset is None:
         return None
-    result = evaluate_heldout(
-        model,
-        tokenizer,
-        eval_dataset,
-        eval_reward,
-        dist_info=dist,
-        batch_size=cfg.eval_batch_size,
-        max_new_tokens=cfg.eval_max_new_tokens,
-        enable_thinking=cfg.enable_thinking,
-        **options,
-    )
-    metric_log.log(result.metrics())
-    if dist.is_main:
-        print(f"[{where}] {result.summary()}", flush=True)
-    return result
+    sampled = [EvalSampling(**cfg.eval_sampling)] if cfg.eval_sampling else []
+    results = [
+        evaluate_heldout(
+            model,
+            tokenizer,
+            eval_dataset,
+            eval_reward,
+            dist_info=dist,
+            batch_size=cfg.eval_batch_size,
+            max_new_tokens=cfg.eval_max_new_tokens,
+            enable_thinking=cfg.enable_thinking,
+            sampling=sampling,
+            **options,
+        )
+        for sampling in [None, *sampled]
+    ]
+    for result in results:
+        metric_log.log(result.metrics())
+        if dist.is_main:
+            print(f"[{where}] {result.summary()}", flush=True)
+    return results[0]
 
 
 def save_checkpoint(
