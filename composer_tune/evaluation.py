@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from composer_tune.config import EvalSampling
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.rewards.base import Reward
 from composer_tune.rollout import encode_prompts, generate
@@ -20,25 +21,6 @@ from composer_tune.rollout.rollouts import episode_metrics
 
 if TYPE_CHECKING:
     from composer_tune.agents import AgentRuntime, EpisodeRecord
-
-
-@dataclass(frozen=True)
-class EvalSampling:
-    """A sampled held-out evaluation (config ``eval_sampling``): ``samples_per_problem``
-    completions (or episodes) per problem at ``temperature``, from a generator seeded by
-    ``seed``."""
-
-    samples_per_problem: int = 4
-    temperature: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.samples_per_problem < 1:
-            raise ValueError(
-                f"eval_sampling.samples_per_problem must be >= 1, got {self.samples_per_problem}"
-            )
-        if not self.temperature > 0:
-            raise ValueError(f"eval_sampling.temperature must be > 0, got {self.temperature}")
 
 
 @dataclass
@@ -117,8 +99,9 @@ def evaluate_heldout(
     repeats = sampling.samples_per_problem if sampling else 1
     own = range(dist_info.rank, len(dataset), dist_info.world_size)
     indices = [index for index in own for _ in range(repeats)]
-    generator = None
+    greedy, temperature, generator = sampling is None, 1.0, None
     if sampling is not None:
+        temperature = sampling.temperature
         generator = torch.Generator(device=dist_info.device)
         generator.manual_seed(sampling.seed + dist_info.rank)
     # Equal batch counts on every rank: FSDP forwards are collectives.
@@ -137,8 +120,8 @@ def evaluate_heldout(
                 tokenizer,
                 samples,
                 reward,
-                greedy=sampling is None,
-                temperature=sampling.temperature if sampling else 1.0,
+                greedy=greedy,
+                temperature=temperature,
                 generator=generator,
                 sync_ranks=dist_info.is_distributed,
                 enable_thinking=enable_thinking,
@@ -151,8 +134,8 @@ def evaluate_heldout(
                 encode_prompts(tokenizer, samples, enable_thinking=enable_thinking),
                 max_new_tokens=max_new_tokens,
                 pad_id=tokenizer.pad_id,
-                greedy=sampling is None,
-                temperature=sampling.temperature if sampling else 1.0,
+                greedy=greedy,
+                temperature=temperature,
                 generator=generator,
                 stop_tokens=tokenizer.stop_tokens,
                 sync_ranks=dist_info.is_distributed,

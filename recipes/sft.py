@@ -31,7 +31,6 @@ from torchtune import training
 from composer_tune import config
 from composer_tune.checkpointing.run_state import remove_checkpoints
 from composer_tune.distributed import all_reduce_sum, setup_distributed, teardown_distributed
-from composer_tune.evaluation import EvalSampling
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
 from composer_tune.run.loop import (
     LoopChores,
@@ -62,12 +61,6 @@ class SFTConfig(config.TrainingConfig):
     # The chat template's enable_thinking (Qwen3's: false pre-fills an empty <think></think>
     # block in the generation prompt; templates without the switch refuse false).
     enable_thinking: bool = False
-    eval_every_n_steps: int = 0  # 0: evaluate only before and after training
-    eval_batch_size: int = 64
-    eval_max_new_tokens: int = 16
-    # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
-    # {samples_per_problem, temperature, seed}; null: greedy only.
-    eval_sampling: EvalSampling | None = None
     # A NaN/inf loss or gradient norm skips the optimizer step; this many in a row stop the run.
     max_consecutive_nonfinite_steps: int = 3
 

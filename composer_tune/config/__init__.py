@@ -22,6 +22,7 @@ from composer_tune.config._parse import (
 )
 from composer_tune.config._schema import (
     CheckpointSection,
+    EvalSampling,
     LoggingSection,
     TrainingConfig,
 )
@@ -29,6 +30,7 @@ from composer_tune.config._schema import (
 __all__ = [
     "CheckpointSection",
     "ConfigError",
+    "EvalSampling",
     "LoggingSection",
     "TrainingConfig",
     "available_configs",

@@ -34,6 +34,25 @@ class CheckpointSection:
     keep_last: int | None = None
 
 
+@dataclass(frozen=True)
+class EvalSampling:
+    """A sampled held-out evaluation (config ``eval_sampling``): ``samples_per_problem``
+    completions (or episodes) per problem at ``temperature``, from a generator seeded by
+    ``seed``."""
+
+    samples_per_problem: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.samples_per_problem < 1:
+            raise ValueError(
+                f"eval_sampling.samples_per_problem must be >= 1, got {self.samples_per_problem}"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"eval_sampling.temperature must be > 0, got {self.temperature}")
+
+
 @dataclass
 class LoggingSection:
     log_every_n_steps: int = 1
@@ -65,3 +84,9 @@ class TrainingConfig:
     logprob_chunk_size: int = 1024
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    eval_every_n_steps: int = 0  # 0: evaluate only before and after training
+    eval_batch_size: int = 64
+    eval_max_new_tokens: int = 16
+    # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
+    # {samples_per_problem, temperature, seed}; null: greedy only.
+    eval_sampling: EvalSampling | None = None

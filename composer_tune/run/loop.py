@@ -44,7 +44,7 @@ from composer_tune.checkpointing.run_state import (
     save_run_checkpoint,
 )
 from composer_tune.distributed import DistInfo, all_reduce_sum, barrier, peak_memory_metrics
-from composer_tune.evaluation import EvalResult, EvalSampling, evaluate_heldout
+from composer_tune.evaluation import EvalResult, evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
@@ -520,7 +520,7 @@ def evaluate_generation(
     too); returns the greedy result. ``options`` go to ``evaluate_heldout``."""
     if eval_dataset is None:
         return None
-    sampled = [EvalSampling(**cfg.eval_sampling)] if cfg.eval_sampling else []
+    sampled = [config.EvalSampling(**cfg.eval_sampling)] if cfg.eval_sampling else []
     results = [
         evaluate_heldout(
             model,

@@ -18,7 +18,6 @@ from composer_tune.channels.replay_dpo import DPOChannelConfig
 from composer_tune.channels.sdpo.channel import SDPOChannelConfig
 from composer_tune.checkpointing.warm_start import WarmStartSection
 from composer_tune.config import TrainingConfig
-from composer_tune.evaluation import EvalSampling
 from composer_tune.rollout.engines import RolloutSection
 
 __all__ = ["DPOChannelConfig", "RLRecipeConfig", "SDPOChannelConfig"]
@@ -61,12 +60,6 @@ class RLRecipeConfig(TrainingConfig):
     # FSDP2 CPU offload of parameters, gradients and optimizer state (policy and reference).
     fsdp_cpu_offload: bool = False
     enable_thinking: bool = False
-    eval_every_n_steps: int = 0  # 0: evaluate only before and after training
-    eval_batch_size: int = 64
-    eval_max_new_tokens: int = 16
-    # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
-    # {samples_per_problem, temperature, seed}; null: greedy only.
-    eval_sampling: EvalSampling | None = None
     # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
     max_consecutive_nonfinite_steps: int = 3
     # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
