@@ -1,11 +1,50 @@
-"""Shared fixtures."""
+"""Shared fixtures.
 
+The suite runs on two pytest-xdist workers (``addopts`` in pyproject.toml). A session fixture
+runs once per worker, so the SFT warm starts are trained once per test session and shared: the
+first worker to need one trains it under a lock in the session's common temporary folder, and
+every other worker waits for it and reads the same run.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
 from tests.recipe_runs import RecipeRun, run_recipe
+
+
+def _once_per_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str, train: Callable[[Path], RecipeRun]
+) -> RecipeRun:
+    """``train(output_dir)`` once for all workers of this session; a failed run is retried by
+    the next worker that asks, so each worker's tests report the failure themselves."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return train(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # every worker's basetemp sits in it
+    record = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.exists():
+            return RecipeRun(**{**json.loads(record.read_text()), "output_dir": shared / name})
+        shutil.rmtree(shared / name, ignore_errors=True)  # a failed attempt's checkpoints
+        run = train(shared / name)
+        record.write_text(json.dumps({"stdout": run.stdout, "stderr": run.stderr}))
+        return run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # Two workers share two cores: one thread each (and in every process a test starts), or
+        # OpenMP threads spin against each other.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -13,12 +52,12 @@ def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it. Every
     100-step checkpoint is kept and scored on the held-out set, so a test can start from an
     earlier, weaker one (test_grpo_recipe's learning test)."""
-    return run_recipe(
-        "sft",
-        "cpu_smoke",
-        tmp_path_factory.mktemp("sft_cpu_smoke"),
-        "checkpoint.keep_last=null",
-        "eval_every_n_steps=100",
+    return _once_per_session(
+        tmp_path_factory,
+        "sft_cpu_smoke",
+        lambda output_dir: run_recipe(
+            "sft", "cpu_smoke", output_dir, "checkpoint.keep_last=null", "eval_every_n_steps=100"
+        ),
     )
 
 
@@ -26,7 +65,11 @@ def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
 def sft_hints_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke_hints run (a quarter of its questions carry SDPO's hints), trained
     once per test session; the SDPO-family cpu_smoke configs start from it."""
-    return run_recipe("sft", "cpu_smoke_hints", tmp_path_factory.mktemp("sft_cpu_smoke_hints"))
+    return _once_per_session(
+        tmp_path_factory,
+        "sft_cpu_smoke_hints",
+        lambda output_dir: run_recipe("sft", "cpu_smoke_hints", output_dir),
+    )
 
 
 @pytest.fixture(scope="session")
