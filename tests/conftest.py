@@ -10,7 +10,6 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,15 @@ from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
 from tests.recipe_runs import RecipeRun, run_recipe
 
 
-def _once_per_session(
-    tmp_path_factory: pytest.TempPathFactory, name: str, train: Callable[[Path], RecipeRun]
+def _sft_once_per_session(
+    tmp_path_factory: pytest.TempPathFactory, config: str, *overrides: str
 ) -> RecipeRun:
-    """``train(output_dir)`` once for all workers of this session; a failed run is retried by
-    the next worker that asks, so each worker's tests report the failure themselves."""
+    """``tune run recipes/sft.py --config CONFIG OVERRIDES`` once for all workers of this session;
+    a failed run is retried by the next worker that asks, so each worker's tests report the
+    failure themselves."""
+    name = f"sft_{config}"
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        return train(tmp_path_factory.mktemp(name))
+        return run_recipe("sft", config, tmp_path_factory.mktemp(name), *overrides)
     shared = tmp_path_factory.getbasetemp().parent  # every worker's basetemp sits in it
     record = shared / f"{name}.json"
     with open(shared / f"{name}.lock", "w") as lock:
@@ -34,7 +35,7 @@ def _once_per_session(
         if record.exists():
             return RecipeRun(**{**json.loads(record.read_text()), "output_dir": shared / name})
         shutil.rmtree(shared / name, ignore_errors=True)  # a failed attempt's checkpoints
-        run = train(shared / name)
+        run = run_recipe("sft", config, shared / name, *overrides)
         record.write_text(json.dumps({"stdout": run.stdout, "stderr": run.stderr}))
         return run
 
@@ -52,12 +53,8 @@ def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it. Every
     100-step checkpoint is kept and scored on the held-out set, so a test can start from an
     earlier, weaker one (test_grpo_recipe's learning test)."""
-    return _once_per_session(
-        tmp_path_factory,
-        "sft_cpu_smoke",
-        lambda output_dir: run_recipe(
-            "sft", "cpu_smoke", output_dir, "checkpoint.keep_last=null", "eval_every_n_steps=100"
-        ),
+    return _sft_once_per_session(
+        tmp_path_factory, "cpu_smoke", "checkpoint.keep_last=null", "eval_every_n_steps=100"
     )
 
 
@@ -65,11 +62,7 @@ def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
 def sft_hints_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke_hints run (a quarter of its questions carry SDPO's hints), trained
     once per test session; the SDPO-family cpu_smoke configs start from it."""
-    return _once_per_session(
-        tmp_path_factory,
-        "sft_cpu_smoke_hints",
-        lambda output_dir: run_recipe("sft", "cpu_smoke_hints", output_dir),
-    )
+    return _sft_once_per_session(tmp_path_factory, "cpu_smoke_hints")
 
 
 @pytest.fixture(scope="session")
