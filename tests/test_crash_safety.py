@@ -344,3 +344,30 @@ def test_keep_last_prunes_the_oldest_checkpoints(tmp_path: Path) -> None:
         )  # fmt: skip
     names = sorted(p.name for p in checkpoints_root(tmp_path).iterdir())
     assert names == ["step_0000002", "step_0000003"]
+
+
+@pytest.mark.slow
+def test_save_only_model_leaves_the_optimizer_out_and_refuses_to_resume(tmp_path: Path) -> None:
+    common = (*QUICK_SFT, "max_steps=2")
+    full = run_recipe("sft", "cpu_smoke", tmp_path / "full", *common)
+    slim = run_recipe(
+        "sft", "cpu_smoke", tmp_path / "slim", *common, "checkpoint.save_only_model=true"
+    )
+    full_ckpt, slim_ckpt = latest_checkpoint(full.output_dir), latest_checkpoint(slim.output_dir)
+    assert _training_state(full_ckpt)["optimizer"]["state"]  # AdamW moments by default
+    assert _training_state(slim_ckpt)["optimizer"] is None
+    assert (slim_ckpt / TRAINING_STATE).stat().st_size < (
+        full_ckpt / TRAINING_STATE
+    ).stat().st_size / 10
+    # The weights are the same as the full save's: the option changes what is kept, not training.
+    _assert_same_tensors(_weights(slim_ckpt), _weights(full_ckpt))
+
+    resumed = run_tune(
+        "recipes/sft.py", "--config", "cpu_smoke", f"output_dir={slim.output_dir}",
+        *QUICK_SFT, "max_steps=4", "checkpoint.resume_from_checkpoint=latest",
+    )  # fmt: skip
+    assert resumed.returncode != 0
+    assert (
+        f"{slim_ckpt} was saved with checkpoint.save_only_model=true and holds no optimizer state"
+        in resumed.stderr
+    )

@@ -40,6 +40,7 @@ SHORT_RUN = (
     "optimizer.lr=3e-5",
     "eval_every_n_steps=0",
     "logging.progress_bar=false",
+    "checkpoint.save_only_model=true",  # 0.5 GB on disk instead of 1.6 (no AdamW moments)
 )
 # Held-out accuracy gain (absolute, 128 distinct problems) the run must reach: 8 problems.
 MIN_GAIN = 0.0625

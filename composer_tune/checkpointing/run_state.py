@@ -245,10 +245,12 @@ def save_run_checkpoint(
     max_shard_size: int = 4_000_000_000,
     keep_last: int | None = None,
     run_identity: Mapping[str, Any] | None = None,
+    save_only_model: bool = False,
 ) -> Path:
     """Writes ``step_<step>`` atomically. Collective: every rank must call it. ``run_identity``
     (``composer_tune.checkpointing.run_identity``) is recorded for resume checks; ``keep_last``
-    (>= 1) then deletes all but the newest that many checkpoints."""
+    (>= 1) then deletes all but the newest that many checkpoints. ``save_only_model`` leaves the
+    optimizer state out: the checkpoint can then seed a new run but not resume this one."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     final = checkpoint_dir(output_dir, step)
@@ -266,7 +268,7 @@ def save_run_checkpoint(
     torch.save(rng_state(), staging / f"rng_rank{dist_info.rank}.pt")
     model_sd = full_model_state_dict(model, dist_info)
     optim_sd = None
-    if optimizer is not None:
+    if optimizer is not None and not save_only_model:
         optim_sd = (
             training.get_full_optimizer_state_dict(model, optimizer, dist_info.is_main)
             if dist_info.is_distributed
@@ -287,6 +289,7 @@ def save_run_checkpoint(
             {
                 "step": step,
                 "optimizer": optim_sd,
+                "model_only": save_only_model,
                 "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                 "recipe_state": dict(recipe_state),
                 "world_size": dist_info.world_size,
@@ -392,6 +395,12 @@ def load_training_state(
     as an initial HF checkpoint.
     """
     state = torch.load(checkpoint / TRAINING_STATE, map_location="cpu", weights_only=False)
+    if state.get("model_only"):
+        raise ValueError(
+            f"{checkpoint} was saved with checkpoint.save_only_model=true and holds no optimizer "
+            f"state, so the run cannot resume from it exactly; start a new run from its weights "
+            f"(checkpoint.initial_checkpoint={checkpoint / MODEL_DIR})"
+        )
     if state["world_size"] != dist_info.world_size:
         raise ValueError(
             f"{checkpoint} was written by {state['world_size']} ranks; resuming needs the same "

@@ -32,6 +32,9 @@ class CheckpointSection:
     max_shard_size: int = 4_000_000_000
     # Keep only the newest N checkpoints (N >= 1); null keeps every one.
     keep_last: int | None = None
+    # Leave the optimizer state out (Hugging Face's save_only_model): a third of the size of an
+    # AdamW checkpoint, usable as a model or warm start but not resumable.
+    save_only_model: bool = False
 
 
 @dataclass(frozen=True)

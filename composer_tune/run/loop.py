@@ -572,6 +572,7 @@ def save_checkpoint(
         max_shard_size=cfg.checkpoint.max_shard_size,
         run_identity=identity,
         keep_last=cfg.checkpoint.keep_last,
+        save_only_model=cfg.checkpoint.save_only_model,
     )
     if dist.is_main:
         print(f"saved checkpoint {path}{where}", flush=True)
