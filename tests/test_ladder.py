@@ -473,7 +473,7 @@ def test_without_sft_the_arms_start_from_their_configs_checkpoint(
     assert results["settings"]["heldout"] == smollm2_yaml["eval_dataset"]
 
 
-def test_combine_merges_ladders_of_different_arms_and_refuses_unequal_ones(
+def test_combine_merges_ladders_of_other_arms_or_seeds_and_refuses_unequal_ones(
     tmp_path: Path, fake_tune: Path, capsys: pytest.CaptureFixture
 ) -> None:
     common = [
@@ -503,11 +503,24 @@ def test_combine_merges_ladders_of_different_arms_and_refuses_unequal_ones(
     assert sorted(combined["runs"]) == ["a1/seed0", "a2/seed0", "a3/seed1", "a3/seed2"]
     assert re.search(r"\| A3 [^|]*\|.*\| 2 \|", (three / "results.md").read_text())
 
+    # Seeds of one arm run as separate ladders combine too, when the arm's command is the same.
+    a1_seed1, a1_other_lr = tmp_path / "a1_seed1", tmp_path / "a1_other_lr"
+    assert ladder.main(["--out", str(a1_seed1), "--arms", "a1", *seeds_1_2[:-1]]) == 0
+    both_seeds = tmp_path / "both_seeds"
+    assert ladder.main(["--combine", str(out), str(a1_seed1), "--out", str(both_seeds)]) == 0
+    combined = json.loads((both_seeds / "results.json").read_text())
+    assert combined["settings"]["arms"] == ["a1", "a2"]
+    assert sorted(combined["runs"]) == ["a1/seed0", "a1/seed1", "a2/seed0"]
+    assert re.search(r"\| A1 [^|]*\|.*\| 2 \|", (both_seeds / "results.md").read_text())
+    lr = ["--override", "optimizer.lr=1e-6"]
+    assert ladder.main(["--out", str(a1_other_lr), "--arms", "a1", *seeds_1_2[:-1], *lr]) == 0
+
     other = tmp_path / "other"
     assert ladder.main(["--out", str(other), "--arms", "a3", *common, "--steps", "4"]) == 0
     for parts, reason in (
         ([other, tmp_path / "a1"], "steps 2 differs"),
-        ([tmp_path / "a1", tmp_path / "a1"], "arms ['a1'] are in two of the ladders"),
+        ([tmp_path / "a1", tmp_path / "a1"], "runs ['a1/seed0'] are in two of the ladders"),
+        ([tmp_path / "a1", a1_other_lr], "arm a1 ran another command than in an earlier folder"),
     ):
         with pytest.raises(SystemExit):
             ladder.main(["--combine", *map(str, parts), "--out", str(tmp_path / "x")])

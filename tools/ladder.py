@@ -33,9 +33,11 @@ run, failures with their log tails; rewritten atomically after each run), ``resu
 table below), ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std band) and
 ``accuracy_vs_tokens.png`` (each run's accuracy against its generated tokens). A failed
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
-run and retries failed ones. Arms can also run as separate ladders side by side (one ``--out``
-each, e.g. one per core) and be combined into one table with ``--combine``, as can a peer's
-results (``PEER_ARMS``: tools/trl_sdpo_peer.py runs TRL's SDPOTrainer on the smollm2_trl task).
+run and retries failed ones. Arms, or seeds of an arm, can also run as separate ladders side by
+side (one ``--out`` each, e.g. one per core) and be combined into one table with ``--combine``
+(the same arm's runs must share their command but for ``output_dir`` and ``seed``), as can a
+peer's results (``PEER_ARMS``: tools/trl_sdpo_peer.py runs TRL's SDPOTrainer on the smollm2_trl
+task).
 The table, per arm: held-out accuracy at step 0, at the last evaluation at or before half-way,
 and at the final step, as mean ± sample std over seeds, the standard error of the final
 accuracy, wall time per run, generated tokens per run (see below) and the number of seeds.
@@ -701,13 +703,27 @@ def settings_clash(reference: dict[str, Any], other: dict[str, Any]) -> str | No
     return None
 
 
+def _per_seed_args(arg: str) -> bool:
+    return arg.startswith(("output_dir=", "seed="))
+
+
+def arm_command(runs: dict[str, Any], arm: str) -> list[str] | None:
+    """The command an arm's runs share, without the per-seed ``output_dir=`` and ``seed=``."""
+    for record in runs.values():
+        if record["arm"] == arm:
+            return [arg for arg in record["command"] if not _per_seed_args(arg)]
+    return None
+
+
 def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) -> dict[str, Any]:
-    """One results file from ladders that ran different arms (e.g. in parallel, one per core)
-    with otherwise identical settings; their seeds may differ (the table counts each arm's seeds,
-    and the combined ``seeds`` is their union).
+    """One results file from ladders with identical settings that ran different arms or
+    different seeds of an arm (e.g. in parallel, one per core); the table counts each arm's
+    seeds, and the combined ``seeds`` is their union.
 
     Raises:
-        ValueError: naming the folder whose settings, warm start or arms clash with the first.
+        ValueError: naming the folder whose settings or warm start clash with the first's, that
+            holds a run (arm and seed) already combined, or whose arm ran another command (another
+            config or overrides) than the same arm in an earlier folder.
     """
     first = parts[0]
     combined: dict[str, Any] = {
@@ -726,9 +742,17 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
                 f"{source}: {clash} {part['settings'][clash]} differs from {sources[0]}'s "
                 f"{first['settings'][clash]}: only ladders with equal settings combine"
             )
-        overlap = set(part["settings"]["arms"]) & set(combined["settings"]["arms"])
+        overlap = set(part["runs"]) & set(combined["runs"])
         if overlap:
-            raise ValueError(f"{source}: arms {sorted(overlap)} are in two of the ladders")
+            raise ValueError(f"{source}: runs {sorted(overlap)} are in two of the ladders")
+        for arm in part["settings"]["arms"]:
+            earlier = arm_command(combined["runs"], arm)
+            if earlier is not None and earlier != arm_command(part["runs"], arm):
+                raise ValueError(
+                    f"{source}: arm {arm} ran another command than in an earlier folder "
+                    f"({shlex.join(arm_command(part['runs'], arm) or [])} against "
+                    f"{shlex.join(earlier)}): only runs of the same arm settings combine"
+                )
         combined["settings"]["arms"] += part["settings"]["arms"]
         combined["settings"]["seeds"] = sorted(
             set(combined["settings"]["seeds"]) | set(part["settings"]["seeds"])
