@@ -58,11 +58,6 @@ class SFTConfig(config.TrainingConfig):
     batch_size: int = 16
     # Batches per optimiser step (the RL recipes accumulate over micro_batch_size rows instead).
     gradient_accumulation_steps: int = 1
-    # The chat template's enable_thinking (Qwen3's: false pre-fills an empty <think></think>
-    # block in the generation prompt; templates without the switch refuse false).
-    enable_thinking: bool = False
-    # A NaN/inf loss or gradient norm skips the optimizer step; this many in a row stop the run.
-    max_consecutive_nonfinite_steps: int = 3
 
 
 class SFTRecipe:

@@ -93,3 +93,9 @@ class TrainingConfig:
     # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
     # {samples_per_problem, temperature, seed}; null: greedy only.
     eval_sampling: EvalSampling | None = None
+    # The chat template's enable_thinking (Qwen3's: false pre-fills an empty <think></think>
+    # block in the generation prompt; templates without the switch refuse false).
+    enable_thinking: bool = False
+    # A NaN/inf loss or gradient norm skips the optimizer step; this many in a row stop the run
+    # (the last checkpoint stays intact).
+    max_consecutive_nonfinite_steps: int = 3

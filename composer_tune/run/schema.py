@@ -59,9 +59,6 @@ class RLRecipeConfig(TrainingConfig):
     advantage_sign: float = 1.0
     # FSDP2 CPU offload of parameters, gradients and optimizer state (policy and reference).
     fsdp_cpu_offload: bool = False
-    enable_thinking: bool = False
-    # NaN/inf losses skip the step; this many in a row stop the run (last checkpoint intact).
-    max_consecutive_nonfinite_steps: int = 3
     # The engine that samples rollouts (rollout.engine: native | vllm; rollout.vllm.*).
     rollout: RolloutSection = field(default_factory=RolloutSection)
     # Agent episodes instead of single-turn completions (composer_tune/agents): an
