@@ -548,3 +548,14 @@ def test_results_with_another_budget_cadence_heldout_set_or_warm_start_do_not_co
     assert ladder.settings_clash(first, other) == "warm_start"
     with pytest.raises(ValueError, match="^b: another warm start than a's"):
         ladder.combine_results([first, other], [Path("a"), Path("b")])
+
+
+def test_an_arms_command_leaves_out_only_what_differs_per_seed() -> None:
+    def runs(*commands: list[str]) -> dict:
+        return {f"x/seed{i}": {"arm": "x", "command": c} for i, c in enumerate(commands)}
+
+    recipe = ["tune", "run", "r.py", "--config", "c", "output_dir=/o/x_seed3", "seed=3", "lr=1"]
+    assert ladder.arm_command(runs(recipe), "x") == ["tune", "run", "r.py", "--config", "c", "lr=1"]
+    peer = ["python", "peer.py", "--steps", "4", "--seed", "2", "--out", "/o", "k=v"]
+    assert ladder.arm_command(runs(peer), "x") == ["python", "peer.py", "--steps", "4", "k=v"]
+    assert ladder.arm_command(runs(peer), "other") is None

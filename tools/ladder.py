@@ -703,15 +703,19 @@ def settings_clash(reference: dict[str, Any], other: dict[str, Any]) -> str | No
     return None
 
 
-def _per_seed_args(arg: str) -> bool:
-    return arg.startswith(("output_dir=", "seed="))
-
-
 def arm_command(runs: dict[str, Any], arm: str) -> list[str] | None:
-    """The command an arm's runs share, without the per-seed ``output_dir=`` and ``seed=``."""
+    """The command an arm's runs share: without the per-seed ``output_dir=`` and ``seed=`` of a
+    recipe, or ``--seed`` and ``--out`` of a peer's tool."""
     for record in runs.values():
-        if record["arm"] == arm:
-            return [arg for arg in record["command"] if not _per_seed_args(arg)]
+        if record["arm"] != arm:
+            continue
+        shared, args = [], iter(record["command"])
+        for arg in args:
+            if arg in ("--seed", "--out"):
+                next(args, None)
+            elif not arg.startswith(("output_dir=", "seed=")):
+                shared.append(arg)
+        return shared
     return None
 
 
