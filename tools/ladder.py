@@ -750,11 +750,11 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
         if overlap:
             raise ValueError(f"{source}: runs {sorted(overlap)} are in two of the ladders")
         for arm in part["settings"]["arms"]:
-            earlier = arm_command(combined["runs"], arm)
-            if earlier is not None and earlier != arm_command(part["runs"], arm):
+            earlier, this = arm_command(combined["runs"], arm), arm_command(part["runs"], arm)
+            if earlier is not None and earlier != this:
                 raise ValueError(
                     f"{source}: arm {arm} ran another command than in an earlier folder "
-                    f"({shlex.join(arm_command(part['runs'], arm) or [])} against "
+                    f"({shlex.join(this or [])} against "
                     f"{shlex.join(earlier)}): only runs of the same arm settings combine"
                 )
         combined["settings"]["arms"] += part["settings"]["arms"]
