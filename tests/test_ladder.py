@@ -185,6 +185,61 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
         assert (mean, std) == pytest.approx(_mean_std_by_hand(per_seed), rel=1e-12)
 
 
+def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path: Path) -> None:
+    """Two A4 seeds that logged log_channel_gradients (one with a skipped, NaN step) and an A1
+    seed that did not: A4's rows average each run over its finite steps, then mean ± std over
+    seeds; A1 gets no row; the plot is written."""
+    args = _args(tmp_path, "--arms", "a1", "a4", "--seeds", "0", "1", "--steps", "3")
+    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
+    rng = random.Random(2)
+    logged: dict[str, dict[str, list[float]]] = {}  # A4 run key -> metric -> value per step
+    results = {"settings": {"arms": ["a1", "a4"]}, "runs": {}}
+    for run in runs:
+        lines = ["Step 0 | eval/accuracy:0.5 "]
+        values = {
+            name: [rng.uniform(0.1, 8.0) for _ in range(3)]
+            for name in ("grad_norm", "grad_norm/policy", "grad_norm/dpo", "grad_share/policy")
+        }
+        values["grad_share/dpo"] = [1.0 - share for share in values["grad_share/policy"]]
+        if run.key == "a4/seed1":
+            for series_values in values.values():
+                series_values[1] = math.nan  # a skipped non-finite step
+        for step in range(3):
+            items = "reward/mean:0.5 tokens/generated:10 "
+            if run.arm.key == "a4":
+                items += " ".join(f"{name}:{v[step]}" for name, v in values.items()) + " "
+            lines.append(f"Step {step + 1} | {items}")
+        _write_log(run.log_dirs()[0], lines)
+        if run.arm.key == "a4":
+            logged[run.key] = values
+        results["runs"][run.key] = ladder.run_record(run, 0, 1.0)
+
+    def cell(name: str) -> str:
+        averages = []
+        for key in ("a4/seed0", "a4/seed1"):
+            finite = [v for v in logged[key][name] if not math.isnan(v)]
+            averages.append(sum(finite) / len(finite))
+        mean, std = _mean_std_by_hand(averages)
+        return f"{mean:.3f} ± {std:.3f}"
+
+    rows = ladder.channel_gradient_rows(results, ["a1", "a4"])
+    assert len(rows) == 4  # header, rule, and A4's two channels: A1 logged none
+    for row, channel in zip(rows[2:], ("dpo", "policy"), strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells == [
+            ladder.ARMS["a4"].title,
+            channel,
+            cell(f"grad_norm/{channel}"),
+            cell(f"grad_share/{channel}"),
+            cell("grad_norm"),
+            "2",
+        ]
+    assert ladder.channel_gradient_rows(results, ["a1"]) == []
+    written = ladder.write_plots(results, tmp_path, ladder.require_matplotlib())
+    assert tmp_path / "channel_gradients.png" in written
+    assert (tmp_path / "channel_gradients.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_tokens_at_a_logging_cadence_coarser_than_the_evaluations() -> None:
     """A replica that logs every 3rd step: an evaluation counts the tokens of the last logged
     step at or before it; a replica that logged no count (it sampled nothing) adds 0."""

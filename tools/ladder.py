@@ -31,7 +31,10 @@ The results folder holds ``runs/<arm>_seed<k>/`` (the run's console log ``run.lo
 DiskLogger files, its final checkpoint), ``results.json`` (settings, every metric series of every
 run, failures with their log tails; rewritten atomically after each run), ``results.md`` (the
 table below), ``accuracy.png`` / ``reward.png`` (mean over seeds with a ±1 std band) and
-``accuracy_vs_tokens.png`` (each run's accuracy against its generated tokens). A failed
+``accuracy_vs_tokens.png`` (each run's accuracy against its generated tokens); where runs
+logged per-channel gradients (``--override log_channel_gradients=true``), results.md adds each
+channel's gradient norm before clipping and share of the step, and ``channel_gradients.png``
+plots them per step. A failed
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
 run and retries failed ones. Arms, or seeds of an arm, can also run as separate ladders side by
 side (one ``--out`` each, e.g. one per core) and be combined into one table with ``--combine``
@@ -95,6 +98,9 @@ from composer_tune.config import load_recipe_config  # noqa: E402
 
 TUNE = str(Path(sys.executable).parent / "tune")
 ACCURACY, REWARD, GENERATED = "eval/accuracy", "reward/mean", "tokens/generated"
+# log_channel_gradients: each channel's gradient norm before clipping, its share of the step,
+# and the step's norm before clipping.
+CHANNEL_NORM, CHANNEL_SHARE, STEP_NORM = "grad_norm/", "grad_share/", "grad_norm"
 LOG_TAIL_CHARS = 4000
 # Console lines echoed while a run goes (the rest is in its run.log).
 PROGRESS_MARKERS = ("held-out accuracy", "Error", "error:")
@@ -520,13 +526,39 @@ def accuracy_by_tokens(record: dict[str, Any]) -> list[list[float]]:
     ]
 
 
-def reward_series(record: dict[str, Any]) -> list[list[float]]:
-    """Training reward per step, averaged over process replicas (each samples its own rollouts)."""
+def replica_mean_series(record: dict[str, Any], name: str) -> list[list[float]]:
+    """A training metric per step, averaged over process replicas (each samples its own
+    rollouts and takes its own steps)."""
     by_step: dict[int, list[float]] = {}
     for metrics in record["metrics"]:
-        for step, value in metrics.get(REWARD, []):
+        for step, value in metrics.get(name, []):
             by_step.setdefault(int(step), []).append(value)
     return [[step, statistics.fmean(values)] for step, values in sorted(by_step.items())]
+
+
+def reward_series(record: dict[str, Any]) -> list[list[float]]:
+    """Training reward per step, averaged over process replicas."""
+    return replica_mean_series(record, REWARD)
+
+
+def gradient_channels(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The loss channels whose gradients the runs logged (``log_channel_gradients``), sorted."""
+    return sorted(
+        {
+            name.removeprefix(CHANNEL_NORM)
+            for record in records
+            for metrics in record["metrics"]
+            for name in metrics
+            if name.startswith(CHANNEL_NORM)
+        }
+    )
+
+
+def run_average(points: Sequence[Sequence[float]]) -> float | None:
+    """The mean of a series over the steps it logged (NaN steps, skipped optimiser steps, left
+    out); None when it logged no finite value."""
+    finite = [value for _, value in points if math.isfinite(value)]
+    return statistics.fmean(finite) if finite else None
 
 
 def fmt_standard_error(values: Sequence[float], digits: int) -> str:
@@ -564,6 +596,34 @@ def table_rows(results: dict[str, Any], arms: Sequence[str], steps: Sequence[int
     return rows
 
 
+def channel_gradient_rows(results: dict[str, Any], arms: Sequence[str]) -> list[str]:
+    """The channel-gradient table (empty when no run logged them): per arm and channel, its
+    gradient norm before clipping and its share of the step, each run averaged over its steps,
+    then mean ± std over seeds; the step's own norm before clipping beside them."""
+    rows: list[str] = []
+    for key in arms:
+        records = ok_records(results, key)
+        channels = gradient_channels(records)
+        if not channels:
+            continue
+        step_norms = [run_average(replica_mean_series(r, STEP_NORM)) for r in records]
+        for channel in channels:
+            cells = [TITLED_ARMS[key].title, channel]
+            for name in (CHANNEL_NORM + channel, CHANNEL_SHARE + channel):
+                averages = [run_average(replica_mean_series(r, name)) for r in records]
+                cells.append(fmt_mean_std([v for v in averages if v is not None], 3))
+            cells.append(fmt_mean_std([v for v in step_norms if v is not None], 3))
+            cells.append(str(len(records)))
+            rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    header = (
+        "| arm | channel | gradient norm before clipping | share of the step "
+        "| step's gradient norm before clipping | seeds |"
+    )
+    return [header, "|" + " --- |" * 6, *rows]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     settings = results["settings"]
     steps = report_steps(settings["steps"], settings["eval_every"])
@@ -586,6 +646,19 @@ def render_markdown(results: dict[str, Any]) -> str:
         "sampled, the runs' logged `tokens/generated` (summed over replicas); prompt tokens and "
         "DPO pairs not included.",
     ]
+    gradient_rows = channel_gradient_rows(results, settings["arms"])
+    if gradient_rows:
+        lines += [
+            "",
+            "## Channel gradients",
+            "",
+            *gradient_rows,
+            "",
+            "Logged with `log_channel_gradients=true`: each channel's gradient norm before the "
+            "clip and its share `<g_c, g> / |g|^2` of the step (the shares sum to 1; clipping "
+            "scales every channel alike). Each run's values averaged over its steps, then mean ± "
+            "std over seeds; per step in channel_gradients.png.",
+        ]
     failed = [r for r in results["runs"].values() if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -630,8 +703,12 @@ def require_matplotlib() -> Any:
 
 def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
     """accuracy.png and reward.png: per arm, the mean over seeds with a ±1 std band;
-    accuracy_vs_tokens.png: each run's held-out accuracy against its generated tokens."""
+    accuracy_vs_tokens.png: each run's held-out accuracy against its generated tokens;
+    channel_gradients.png where runs logged per-channel gradients."""
     written = [_plot_accuracy_vs_tokens(results, out, plt)]
+    gradients = _plot_channel_gradients(results, out, plt)
+    if gradients is not None:
+        written.append(gradients)
     for name, title, series_of, marker in (
         ("accuracy.png", "held-out accuracy", accuracy_series, "o"),  # a few evaluations
         ("reward.png", "training reward (reward/mean)", reward_series, None),  # every step
@@ -659,6 +736,45 @@ def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
         plt.close(figure)
         written.append(out / name)
     return written
+
+
+def _plot_channel_gradients(results: dict[str, Any], out: Path, plt: Any) -> Path | None:
+    """Per arm and channel, its gradient norm before clipping and its share of the step at every
+    step (mean over seeds, band ±1 std); None when no run logged them."""
+    curves = []
+    for key in results["settings"]["arms"]:
+        records = ok_records(results, key)
+        for channel in gradient_channels(records):
+            curves.append((key, channel, records))
+    if not curves:
+        return None
+    figure, (norm_axes, share_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, channel, records in curves:
+        label = f"{TITLED_ARMS[key].title}: {channel} (n={len(records)})"
+        for axes, prefix in ((norm_axes, CHANNEL_NORM), (share_axes, CHANNEL_SHARE)):
+            per_seed = [replica_mean_series(r, prefix + channel) for r in records]
+            steps, means, stds = band_series(  # a skipped (non-finite) step is left out
+                [[point for point in points if math.isfinite(point[1])] for points in per_seed]
+            )
+            (line,) = axes.plot(steps, means, label=label)
+            low = [m - s for m, s in zip(means, stds, strict=True)]
+            high = [m + s for m, s in zip(means, stds, strict=True)]
+            axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+    norm_axes.set_ylabel("gradient norm before clipping")
+    norm_axes.set_yscale("log")
+    share_axes.set_ylabel("share of the step  <g_c, g> / |g|^2")
+    share_axes.axhline(0.0, color="grey", linewidth=0.8)
+    for axes in (norm_axes, share_axes):
+        axes.set_xlabel("optimizer step")
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.suptitle("per-channel gradients: mean over seeds, band ±1 std")
+    figure.tight_layout()
+    path = out / "channel_gradients.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def _plot_accuracy_vs_tokens(results: dict[str, Any], out: Path, plt: Any) -> Path:
