@@ -762,6 +762,9 @@ def _plot_channel_gradients(results: dict[str, Any], out: Path, plt: Any) -> Pat
             axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
     norm_axes.set_ylabel("gradient norm before clipping")
     norm_axes.set_yscale("log")
+    plain = plt.FuncFormatter(lambda value, _: f"{value:g}")
+    norm_axes.yaxis.set_major_formatter(plain)
+    norm_axes.yaxis.set_minor_formatter(plain)
     share_axes.set_ylabel("share of the step  <g_c, g> / |g|^2")
     share_axes.axhline(0.0, color="grey", linewidth=0.8)
     for axes in (norm_axes, share_axes):
