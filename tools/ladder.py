@@ -554,11 +554,15 @@ def gradient_channels(records: Sequence[dict[str, Any]]) -> list[str]:
     )
 
 
+def finite_points(points: Sequence[Sequence[float]]) -> list[Sequence[float]]:
+    """A series without its non-finite steps (a skipped optimiser step logs NaN)."""
+    return [point for point in points if math.isfinite(point[1])]
+
+
 def run_average(points: Sequence[Sequence[float]]) -> float | None:
-    """The mean of a series over the steps it logged (NaN steps, skipped optimiser steps, left
-    out); None when it logged no finite value."""
-    finite = [value for _, value in points if math.isfinite(value)]
-    return statistics.fmean(finite) if finite else None
+    """The mean of a series over its finite steps; None when it logged no finite value."""
+    finite = finite_points(points)
+    return statistics.fmean(value for _, value in finite) if finite else None
 
 
 def fmt_standard_error(values: Sequence[float], digits: int) -> str:
@@ -752,9 +756,8 @@ def _plot_channel_gradients(results: dict[str, Any], out: Path, plt: Any) -> Pat
     for key, channel, records in curves:
         label = f"{TITLED_ARMS[key].title}: {channel} (n={len(records)})"
         for axes, prefix in ((norm_axes, CHANNEL_NORM), (share_axes, CHANNEL_SHARE)):
-            per_seed = [replica_mean_series(r, prefix + channel) for r in records]
-            steps, means, stds = band_series(  # a skipped (non-finite) step is left out
-                [[point for point in points if math.isfinite(point[1])] for points in per_seed]
+            steps, means, stds = band_series(
+                [finite_points(replica_mean_series(r, prefix + channel)) for r in records]
             )
             (line,) = axes.plot(steps, means, label=label)
             low = [m - s for m, s in zip(means, stds, strict=True)]
