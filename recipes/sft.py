@@ -32,6 +32,7 @@ from composer_tune import config
 from composer_tune.checkpointing.run_state import remove_checkpoints
 from composer_tune.distributed import all_reduce_sum, setup_distributed, teardown_distributed
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
+from composer_tune.models.hf_backend import mean_metrics, router_loss
 from composer_tune.run.loop import (
     LoopChores,
     MetricLog,
@@ -193,9 +194,14 @@ class SFTRecipe:
             while progress.step < cfg.max_steps:
                 # Forward/backward over gradient_accumulation_steps batches.
                 tokens = 0.0
+                router_metrics = []
                 for _ in range(cfg.gradient_accumulation_steps):
                     loss, num_tokens = self._loss(next(batches))
-                    (loss / cfg.gradient_accumulation_steps).backward()
+                    loss = loss / cfg.gradient_accumulation_steps
+                    # A mixture of experts' load-balancing loss (None for other models).
+                    aux, moe = router_loss(self.model, scale=1 / cfg.gradient_accumulation_steps)
+                    (loss if aux is None else loss + aux).backward()
+                    router_metrics.append(moe)
                     tokens += float(num_tokens)
                 grad_norm = clip_and_step(
                     self.model,
@@ -213,6 +219,7 @@ class SFTRecipe:
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "grad_norm": grad_norm,
                     **progress.guard.metrics(),
+                    **mean_metrics(router_metrics),
                 }
                 chores.step_done(
                     metrics, {}, tokens_processed=tokens, tokens_trained={"sft": tokens},

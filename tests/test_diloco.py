@@ -224,10 +224,17 @@ def test_fragments_reject_what_would_break_the_outer_step() -> None:
     with pytest.raises(ValueError, match="only 2 units"):
         split_into_fragments(_Stack(3, [], 3), 3)
     tied = _Stack(4, [4, 4], 4)
-    tied.tail.weight = tied.head.weight  # shared across the first and the last fragment
+    tied.tail.weight = tied.head.weight
+    tied.tail.bias = nn.Parameter(torch.zeros(1))  # a unit of its own, sharing the head's weight
     with pytest.raises(ValueError, match=r"tail\.weight is shared between fragments 0 and 1"):
         split_into_fragments(tied, 2)
     split_into_fragments(tied, 1)  # one fragment: the shared weight is updated once
+    # A unit that holds only an earlier unit's weight (a tied output projection) is no unit:
+    # the weight is updated once, with the head's fragment.
+    del tied.tail.bias
+    tied.tail.bias = None
+    _, names = split_into_fragments(tied, 2)
+    assert names == [["head"], ["body.0", "body.1"]]
     rooted = _Stack(2, [2], 2)
     rooted.scale = nn.Parameter(torch.ones(1))
     with pytest.raises(ValueError, match=r"\['scale'\] belong to no fragment"):

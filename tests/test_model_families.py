@@ -21,6 +21,7 @@ from composer_tune.checkpointing import CheckpointError, load_decoder_from_hf, s
 from composer_tune.checkpointing.run_state import save_run_checkpoint
 from composer_tune.distributed import DistInfo
 from composer_tune.models import CausalDecoder, GroupedQueryAttention, from_pretrained
+from composer_tune.models.pretrained import resolve_backend
 
 VOCAB = 256
 TOL = 1e-4
@@ -204,8 +205,9 @@ def test_unsupported_option_is_named_before_weights_are_read(
     config_path.write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"not weights")  # never read
     with pytest.raises(CheckpointError, match=match) as error:
-        from_pretrained(tmp_path)
+        from_pretrained(tmp_path, backend="native")
     assert str(config_path) in str(error.value)
+    assert resolve_backend(config, "auto") == "transformers"  # what auto does with it
     with pytest.raises(CheckpointError, match=match):
         load_decoder_from_hf(tmp_path)
 

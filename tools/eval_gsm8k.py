@@ -28,10 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python tools/eval_gsm8k.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR  # noqa: E402
 from composer_tune.data.gsm8k import GSM8K  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
+from composer_tune.models.build import load_pretrained  # noqa: E402
+from composer_tune.models.pretrained import BACKENDS  # noqa: E402
 from composer_tune.rewards import MathAnswerReward  # noqa: E402
 from composer_tune.rewards.answer import extract_answer, final_response  # noqa: E402
 from composer_tune.rollout import encode_prompts, generate  # noqa: E402
@@ -72,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="model backend (composer_tune.models.from_pretrained): auto, native or transformers",
+    )
     parser.add_argument(
         "--threads", type=int, help="torch.set_num_threads (default: torch's; 1 on a busy CPU)"
     )
@@ -180,7 +187,9 @@ def main(argv: list[str] | None = None) -> float:
         checkpoint = checkpoint / MODEL_DIR
     tokenizer = load_tokenizer(checkpoint, args.tokenizer)
     device = torch.device(args.device)
-    model = load_decoder_from_hf(checkpoint, dtype=DTYPES[args.dtype]).to(device).eval()
+    model = load_pretrained(
+        checkpoint, dtype=DTYPES[args.dtype], backend=args.backend, device=device
+    )
     dataset = GSM8K(split=args.split, source=args.source)
     samples = select_problems(dataset, args.offset, args.limit)
     generator = None

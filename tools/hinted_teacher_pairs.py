@@ -42,9 +42,8 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/hinted_teacher_pairs.py` fro
 import torch  # noqa: E402
 
 from composer_tune import config  # noqa: E402
-from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.data.pairs import MODES, PairRules, write_pairs  # noqa: E402
-from composer_tune.models.build import enable_autocast  # noqa: E402
+from composer_tune.models.build import enable_autocast, load_pretrained  # noqa: E402
 from composer_tune.rollout import encode_prompts, generate  # noqa: E402
 
 # One teacher per wording; the hint follows the question in the user turn. SmolLM2-135M-Instruct
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     checkpoint = Path(cfg.checkpoint.initial_checkpoint)
-    model = load_decoder_from_hf(checkpoint).eval()
+    model = load_pretrained(checkpoint, backend=cfg.model.get("backend", "auto"))
     enable_autocast(model, cfg.autocast, torch.device("cpu"))
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset)

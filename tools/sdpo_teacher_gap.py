@@ -30,8 +30,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from composer_tune import config  # noqa: E402
 from composer_tune.channels.sdpo import SDPOChannelConfig  # noqa: E402
 from composer_tune.channels.sdpo.diagnostics import gold_answer_gap  # noqa: E402
-from composer_tune.checkpointing import load_decoder_from_hf  # noqa: E402
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint  # noqa: E402
+from composer_tune.models.build import load_pretrained  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     sdpo_cfg = SDPOChannelConfig.from_mapping(OmegaConf.to_container(cfg.sdpo, resolve=True))
-    model = load_decoder_from_hf(model_dir).eval()
+    model = load_pretrained(model_dir, backend=cfg.model.get("backend", "auto"))
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.eval_dataset)
     samples = [dataset[index] for index in range(min(args.num_problems, len(dataset)))]

@@ -653,9 +653,12 @@ def model_args_from_config(cfg: DictConfig) -> DecoderArgs:
         model = instantiate(cfg.model)
     args = getattr(model, "config", None)
     if not isinstance(args, DecoderArgs):
+        family = getattr(args, "family", cfg.model.get("_component_"))
         raise ValueError(
-            f"config 'model' node ({cfg.model.get('_component_')}) did not build a composer_tune "
-            "composer_tune decoder (no DecoderArgs in model.config)"
+            f"config 'model' node builds {family!r} on the transformers backend: the memory "
+            "estimate models the native decoder only (Llama, Qwen2, Qwen3 with "
+            "model.backend=native or auto); other families, mixtures of experts among them, "
+            "are not modelled"
         )
     return args
 

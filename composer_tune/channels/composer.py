@@ -68,6 +68,7 @@ from composer_tune.channels.sdpo.teacher import (
 from composer_tune.data.preference import PreferenceBatch
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses import PolicyLossConfig, needs_reference_model, policy_loss
+from composer_tune.models.hf_backend import mean_metrics, router_loss
 from composer_tune.rollout.rollouts import RolloutBatch, rollout_logprobs, rollout_metrics
 from composer_tune.run.loop import build_model
 
@@ -397,6 +398,15 @@ class ComposerObjective:
             result.tokens["sdpo"] = float(distilled_token_count(teacher_rows))
             count = loss_normalizer_count(teacher_rows, channels.sdpo.loss)
             sdpo_normalizer = float(all_reduce_sum(count.reshape(1)).clamp(min=1)) / dist.world_size
+        router_metrics: list[dict[str, float]] = []
+
+        def with_router_loss(channel_loss: torch.Tensor) -> torch.Tensor:
+            """``channel_loss`` plus a mixture of experts' load-balancing loss of the forward
+            just run (zero for other models), before the backward that takes that forward."""
+            aux, metrics = router_loss(self.model, scale=1 / len(micro_batches))
+            router_metrics.append(metrics)
+            return channel_loss if aux is None else channel_loss + aux
+
         for index, micro in enumerate(micro_batches):
             start = index * self.micro_batch_size
             micro_teacher = (
@@ -450,7 +460,7 @@ class ComposerObjective:
                         normalization=normalization,
                         sampling_logp=micro.sampling_logp,
                     )
-                    weighted_policy = channels.policy_weight * policy
+                    weighted_policy = with_router_loss(channels.policy_weight * policy)
                     loss = loss + weighted_policy
                     for name, value in metrics.items():
                         result.metrics[name] = result.metrics.get(name, 0.0) + float(value) / len(
@@ -461,6 +471,7 @@ class ComposerObjective:
             if use_sdpo and not one_student_forward:  # channel 2's own student forward
                 with channel_scope(split, "sdpo"):
                     sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)
+                    sdpo_loss = with_router_loss(sdpo_loss)
                     result.sdpo_metrics.append(metrics)
                     loss = loss + sdpo_loss
                     sdpo_total += float(sdpo_loss.detach())
@@ -471,6 +482,7 @@ class ComposerObjective:
             result.loss += float(loss.detach())
         if use_sdpo:
             result.metrics["sdpo/weighted_loss"] = sdpo_total
+        result.metrics.update(mean_metrics(router_metrics))
         if pair_batch is not None:  # channel 3: one forward over this rank's pairs
             with channel_scope(split, "dpo"):
                 pair_loss, pair_metrics = pair_loss_backward(

@@ -47,6 +47,7 @@ from composer_tune.data.preference import (
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.distributed import DistInfo, all_reduce_sum
 from composer_tune.losses.dpo import DPO_LOSS_TYPES, DPOLossConfig, DPOOutput, dpo_loss
+from composer_tune.models.hf_backend import router_loss
 
 
 @dataclass(frozen=True)
@@ -475,8 +476,11 @@ def pair_loss_backward(
         reference_model=reference_model if cfg.reference == "live" else None,
         chunk_size=chunk_size,
     )
-    (cfg.weight * output.loss).backward()
+    aux, router_metrics = router_loss(model)
+    weighted = cfg.weight * output.loss
+    (weighted if aux is None else weighted + aux).backward()
     metrics = {f"dpo/{name}": value for name, value in output.metrics().items()}
+    metrics.update({f"dpo/{name}": value for name, value in router_metrics.items()})
     return cfg.weight * float(output.loss.detach()), metrics
 
 

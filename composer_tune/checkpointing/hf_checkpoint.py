@@ -14,13 +14,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from composer_tune.models.decoder import (
@@ -29,6 +30,11 @@ from composer_tune.models.decoder import (
     DecoderArgs,
     Llama3RopeScaling,
     decoder_from_args,
+)
+from composer_tune.models.hf_backend import (
+    HFArchitecture,
+    hf_named_weights,
+    save_transformers_checkpoint,
 )
 
 CONFIG_NAME = "config.json"
@@ -325,6 +331,24 @@ def decoder_to_hf_state_dict(
     return converted
 
 
+def checkpoint_tensors(
+    model: nn.Module, materialize: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model``'s weights as a Hugging Face checkpoint names them, each passed through
+    ``materialize`` (e.g. an FSDP2 shard gathered and cast) only when its turn comes: the
+    native decoder's renamed; a transformers-backend model's by transformers' own saving
+    conversion (a fused expert tensor becomes one per expert), tied aliases left out."""
+    if isinstance(model.config, DecoderArgs):
+        for name, value in decoder_to_hf_state_dict(model.state_dict(), model.config).items():
+            yield name, materialize(value)
+        return
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    aliases -= {name for name, _ in model.named_parameters()}
+    for name, value in model.state_dict().items():
+        if name not in aliases:
+            yield from hf_named_weights(model, name, materialize(value)).items()
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -426,6 +450,17 @@ def _storage_dtype(
     return next(iter(dtypes))
 
 
+def _copy_non_weight_files(source: str | os.PathLike[str] | None, out: Path) -> list[Path]:
+    """Copy ``source``'s tokenizer and other non-weight files (never its config or weights)."""
+    if source is None:
+        return []
+    return [
+        Path(shutil.copy2(path, out / path.name))
+        for path in sorted(_checkpoint_dir(source).iterdir())
+        if path.is_file() and not (path.name.endswith(_WEIGHT_SUFFIXES) or path.name in _OWN_FILES)
+    ]
+
+
 def _write_json(path: Path, payload: Any) -> Path:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     return path
@@ -433,7 +468,7 @@ def _write_json(path: Path, payload: Any) -> Path:
 
 def save_hf_checkpoint(
     state_dict: Mapping[str, torch.Tensor],
-    config: DecoderArgs | Mapping[str, Any],
+    config: DecoderArgs | HFArchitecture | Mapping[str, Any],
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
@@ -441,12 +476,15 @@ def save_hf_checkpoint(
     copy_files_from: str | os.PathLike[str] | None = None,
     generation_config: Mapping[str, Any] | None = None,
 ) -> list[Path]:
-    """Write a :class:`CausalDecoder` state dict as a Hugging Face checkpoint.
+    """Write a model's state dict as a Hugging Face checkpoint.
 
     Args:
-        state_dict: full (not sharded) tensors under our names, e.g. ``model.state_dict()``.
-        config: the architecture, as :class:`DecoderArgs` (``model.config``) or a Hugging Face
-            ``config.json`` dict (whose non-shape keys such as token ids are kept).
+        state_dict: full (not sharded) tensors under the model's names, e.g.
+            ``model.state_dict()``.
+        config: the architecture: ``model.config``, i.e. :class:`DecoderArgs` (the native
+            decoder, whose names are mapped to Hugging Face's) or :class:`HFArchitecture`
+            (the transformers backend: written by ``save_pretrained``), or a Hugging Face
+            ``config.json`` dict of a native family (whose non-shape keys are kept).
         out_dir: destination; created if needed, must not already hold weights.
         max_shard_size_bytes: split into ``model-0000i-of-0000n.safetensors`` plus an index
             when the weights exceed this.
@@ -460,10 +498,13 @@ def save_hf_checkpoint(
     Returns:
         The paths written.
     """
-    args = config if isinstance(config, DecoderArgs) else decoder_args_from_hf_config(config)
     if max_shard_size_bytes <= 0:
         raise ValueError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
-    hf_state_dict = decoder_to_hf_state_dict(state_dict, args)
+    if isinstance(config, HFArchitecture):
+        hf_state_dict = dict(state_dict)
+    else:
+        args = config if isinstance(config, DecoderArgs) else decoder_args_from_hf_config(config)
+        hf_state_dict = decoder_to_hf_state_dict(state_dict, args)
     stored_dtype = _storage_dtype(hf_state_dict, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -471,14 +512,20 @@ def save_hf_checkpoint(
     if stale or (out / INDEX_NAME).exists():
         raise CheckpointError(f"{out} already holds weights {stale}; choose an empty directory")
 
-    written: list[Path] = []
-    if copy_files_from is not None:
-        for path in sorted(_checkpoint_dir(copy_files_from).iterdir()):
-            if path.is_file() and not (
-                path.name.endswith(_WEIGHT_SUFFIXES) or path.name in _OWN_FILES
-            ):
-                written.append(Path(shutil.copy2(path, out / path.name)))
+    if isinstance(config, HFArchitecture):
+        save_transformers_checkpoint(
+            hf_state_dict,
+            config,
+            out,
+            dtype=stored_dtype,
+            max_shard_size_bytes=max_shard_size_bytes,
+        )
+        _copy_non_weight_files(copy_files_from, out)
+        if generation_config is not None:
+            _write_json(out / GENERATION_CONFIG_NAME, dict(generation_config))
+        return sorted(path for path in out.iterdir() if path.is_file())
 
+    written = _copy_non_weight_files(copy_files_from, out)
     extra = None if isinstance(config, DecoderArgs) else config
     hf_config = hf_config_from_decoder_args(args, stored_dtype, extra)
     written.append(_write_json(out / CONFIG_NAME, hf_config))

@@ -19,6 +19,7 @@ checkpoint back. ``latest_checkpoint`` only ever considers complete folders.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -334,12 +335,16 @@ def _with_chat_token_ids(
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
     }
-    if not isinstance(model_config, DecoderArgs):
-        return {**dict(model_config), **token_ids}, None
     generation = {**token_ids, "eos_token_id": tokenizer.stop_tokens}
-    return hf_config_from_decoder_args(
-        model_config, torch.float32, extra={**extra, **token_ids}
-    ), generation
+    if isinstance(model_config, DecoderArgs):
+        config = hf_config_from_decoder_args(
+            model_config, torch.float32, extra={**extra, **token_ids}
+        )
+        return config, generation
+    if isinstance(model_config, Mapping):
+        return {**dict(model_config), **token_ids}, None
+    hf_config = {**model_config.hf_config, **token_ids}
+    return dataclasses.replace(model_config, hf_config=hf_config), generation
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -431,23 +436,54 @@ def _model_dir(checkpoint_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
-def check_model_files(checkpoint_dir: str | os.PathLike[str]) -> DecoderArgs:
+def check_model_files(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Pre-flight of an HF checkpoint directory (or a run checkpoint), reading no weights.
 
-    Checks that ``config.json`` describes a supported model and that every weight file exists, so a
-    broken checkpoint fails in seconds, naming the path, rather than after the shards before
-    the missing one were read. Returns the architecture. Raises CheckpointError.
+    Checks that ``config.json`` parses and that every weight file exists, so a broken
+    checkpoint fails in seconds, naming the path, rather than after the shards before the
+    missing one were read. Returns the ``config.json`` dict. Raises CheckpointError.
     """
     directory = _checkpoint_dir(_model_dir(checkpoint_dir))
-    config_path = directory / "config.json"
-    args = decoder_args_from_hf_config(read_json(config_path), source=str(config_path))
+    config = read_json(directory / "config.json")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise CheckpointError(f"{directory / 'config.json'}: no 'model_type'")
     for filename in _weight_files(directory):
         if not (directory / filename).is_file():
             raise CheckpointError(f"missing weight file {directory / filename}")
-    return args
+    return config
 
 
-def load_model_weights(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Weights of an HF checkpoint directory (or a run checkpoint's ``model/``) under our names."""
-    _, state_dict = load_hf_checkpoint(_model_dir(checkpoint_dir))
+def check_architecture(
+    model: nn.Module, stored: Mapping[str, Any], checkpoint_dir: str | os.PathLike[str]
+) -> None:
+    """Raise CheckpointError unless the checkpoint's ``config.json`` (``stored``) describes
+    ``model``'s architecture (the context length aside: it is no weight)."""
+    source = _model_dir(checkpoint_dir) / "config.json"
+    if isinstance(model.config, DecoderArgs):
+        args = decoder_args_from_hf_config(stored, source=str(source))
+        if dataclasses.replace(args, max_seq_len=model.config.max_seq_len) != model.config:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_dir} holds a different architecture than config key "
+                f"'model': {args} vs {model.config}"
+            )
+        return
+    differences = model.config.architecture_differences(stored)
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir} holds a different architecture than config key "
+            f"'model' ({source} differs from model.path's config.json in {differences})"
+        )
+
+
+def load_model_weights(
+    checkpoint_dir: str | os.PathLike[str], model: nn.Module | None = None
+) -> dict[str, torch.Tensor]:
+    """Weights of an HF checkpoint directory (or a run checkpoint's ``model/``) under the
+    parameter names of ``model`` (the native decoder's names when None)."""
+    directory = _model_dir(checkpoint_dir)
+    if model is not None and not isinstance(model.config, DecoderArgs):
+        from composer_tune.models.hf_backend import load_transformers_weights
+
+        return load_transformers_weights(directory)
+    _, state_dict = load_hf_checkpoint(directory)
     return state_dict

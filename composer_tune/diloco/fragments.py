@@ -1,9 +1,10 @@
 """Split a model into Streaming DiLoCo fragments: contiguous runs of its layers.
 
 The model's direct children are its units, except that a ``ModuleList`` / ``Sequential`` child
-(a decoder's ``layers``) contributes each element as a unit, so the project's decoder's units are
-``tok_embeddings, layers.0, ..., layers.{L-1}, norm, output``. Units without parameters are
-dropped and the rest are cut into ``num_fragments`` contiguous groups whose parameter counts are
+(a decoder's ``layers``) contributes each element as a unit, so the native decoder's units are
+``tok_embeddings, layers.0, ..., layers.{L-1}, norm, output`` (a transformers-backend model's
+``model.embed_tokens, model.layers.0, ..., model.norm, lm_head``). Units without parameters (or
+whose parameters an earlier unit holds: a tied output projection) are dropped and the rest are cut into ``num_fragments`` contiguous groups whose parameter counts are
 as even as the unit boundaries allow: fragment ``k`` ends at the unit boundary whose cumulative
 parameter count is closest to ``(k + 1) / num_fragments`` of the total. Even fragments keep the
 per-sync payload (and so the peak bandwidth Streaming DiLoCo is designed to lower) steady.
@@ -18,13 +19,22 @@ from torch import nn
 
 
 def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's direct children in order, with list-like children expanded element-wise."""
+    """The model's direct children in order, with list-like children expanded element-wise;
+    a child that holds the decoder layers (``model.decoder_layers()``, e.g. a transformers
+    model's ``model``) is walked into, so its layers are units of their own."""
+    layers = model.decoder_layers() if hasattr(model, "decoder_layers") else None
     units: list[tuple[str, nn.Module]] = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            units.extend((f"{name}.{index}", module) for index, module in child.named_children())
-        else:
-            units.append((name, child))
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                units.extend((f"{prefix}{name}.{i}", unit) for i, unit in child.named_children())
+            elif layers is not None and any(sub is layers for sub in child.modules()):
+                walk(f"{prefix}{name}.", child)
+            else:
+                units.append((f"{prefix}{name}", child))
+
+    walk("", model)
     return units
 
 
@@ -59,11 +69,14 @@ def split_into_fragments(
     """
     if num_fragments < 1:
         raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
-    units = [
-        (name, module)
-        for name, module in model_units(model)
-        if any(True for _ in module.parameters())
-    ]
+    # Units without parameters of their own are dropped: parameter-free modules, and an output
+    # projection tied to the embedding (an earlier unit's parameter).
+    units, seen = [], set()
+    for name, module in model_units(model):
+        params = {id(param) for param in module.parameters()}
+        if params - seen:
+            units.append((name, module))
+        seen |= params
     if len(units) < num_fragments:
         raise ValueError(
             f"num_fragments={num_fragments} but {type(model).__name__} has only {len(units)} "

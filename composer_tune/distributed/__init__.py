@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 
 T = TypeVar("T")
 
@@ -72,10 +71,13 @@ def setup_distributed(device: str) -> DistInfo:
 def shard_decoder(
     model: nn.Module, *, cpu_offload: bool = False, reshard_after_forward: bool = True
 ) -> None:
-    """FSDP2-shards each transformer layer, then the root (embeddings, final norm, output)."""
+    """FSDP2-shards each transformer layer (``model.decoder_layers()``: a mixture of experts'
+    layer holds all its experts, gathered whole in its forward), then the root (embeddings,
+    final norm, output)."""
+    layers = {id(layer) for layer in model.decoder_layers()}
     training.shard_model(
         model,
-        [lambda _name, module: isinstance(module, TransformerSelfAttentionLayer)],
+        [lambda _name, module: id(module) in layers],
         cpu_offload=cpu_offload,
         reshard_after_forward=reshard_after_forward,
     )

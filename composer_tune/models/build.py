@@ -6,18 +6,20 @@ the same way; :func:`build_decoder` is that one way.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 
 from composer_tune import config
-from composer_tune.checkpointing import CheckpointError
-from composer_tune.checkpointing.run_state import check_model_files, load_model_weights
+from composer_tune.checkpointing.run_state import (
+    check_architecture,
+    check_model_files,
+    load_model_weights,
+)
 from composer_tune.distributed import DistInfo, shard_decoder
 
 
@@ -53,23 +55,45 @@ def build_decoder(
     stored = check_model_files(checkpoint)
     with training.set_default_dtype(dtype), torch.device("meta"):
         model = config.instantiate(model_cfg)
-    # The RoPE cache length may differ: it is no weight.
-    if replace(stored, max_seq_len=model.config.max_seq_len) != model.config:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} holds a different architecture than config key "
-            f"'model': {stored} vs {model.config}"
-        )
-    state_dict = load_model_weights(checkpoint)
+    check_architecture(model, stored, checkpoint)
+    state_dict = load_model_weights(checkpoint, model)
     _wrap(model, dist_info, activation_checkpointing, fsdp_cpu_offload)
     with training.set_default_dtype(dtype), dist_info.device:
-        for module in model.modules():
-            if hasattr(module, "rope_init"):
-                module.rope_init()
+        model.init_buffers()  # RoPE caches and other non-persistent buffers: no weights
     training.load_from_full_model_state_dict(
         model, state_dict, dist_info.device, strict=True, cpu_offload=fsdp_cpu_offload
     )
     enable_autocast(model, autocast, dist_info.device)
     return model
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """A Hugging Face checkpoint directory's model (either backend, see
+    :func:`~composer_tune.models.from_pretrained`) with its weights, whole on one ``device``, in
+    eval mode: what the tools that score or sample from a checkpoint load."""
+    model_cfg = OmegaConf.create(
+        {
+            "_component_": "composer_tune.models.from_pretrained",
+            "path": str(path),
+            "backend": backend,
+        }
+    )
+    model = build_decoder(
+        model_cfg,
+        checkpoint=path,
+        dtype=dtype,
+        dist_info=DistInfo(world_size=1, rank=0, device=torch.device(device)),
+        seed=0,
+        activation_checkpointing=False,
+        fsdp_cpu_offload=False,
+    )
+    return model.eval()
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
@@ -120,8 +144,7 @@ def _wrap(
     model: nn.Module, dist_info: DistInfo, activation_checkpointing: bool, fsdp_cpu_offload: bool
 ) -> None:
     if activation_checkpointing:
-        training.set_activation_checkpointing(
-            model, auto_wrap_policy={TransformerSelfAttentionLayer}
-        )
+        layer_classes = {type(layer) for layer in model.decoder_layers()}
+        training.set_activation_checkpointing(model, auto_wrap_policy=layer_classes)
     if dist_info.is_distributed:
         shard_decoder(model, cpu_offload=fsdp_cpu_offload)

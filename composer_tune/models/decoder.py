@@ -33,6 +33,8 @@ from torchtune.modules import (
 )
 from torchtune.modules.attention_utils import _MaskType
 
+from composer_tune.models.hf_backend import LayerWidths
+
 HeadFn = Callable[[torch.Tensor, Any], Any]
 
 # Hugging Face ``model_type`` values this decoder implements.
@@ -93,6 +95,15 @@ class DecoderArgs:
                 f"DecoderArgs.embed_dim ({self.embed_dim}) must be divisible by "
                 f"num_heads ({self.num_heads})"
             )
+
+    def layer_widths(self) -> LayerWidths:
+        """Widths of a layer's matrix multiplies."""
+        return LayerWidths(
+            self.embed_dim,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_dim,
+        )
 
     @property
     def qk_norm(self) -> bool:
@@ -226,6 +237,17 @@ class CausalDecoder(TransformerDecoder):
     def __init__(self, *, config: DecoderArgs, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = config
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The transformer blocks, in order: FSDP2's and activation checkpointing's units."""
+        return self.layers
+
+    def init_buffers(self) -> None:
+        """Rebuild the RoPE caches (non-persistent buffers) of a model built on the meta device
+        and materialised (torchtune's ``rope_init`` convention)."""
+        for module in self.modules():
+            if hasattr(module, "rope_init"):
+                module.rope_init()
 
     def forward(
         self,

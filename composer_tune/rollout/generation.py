@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -480,8 +481,9 @@ def generate(
     training_flags = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        with local_kv_cache(
-            model,
+        # A model with a cache of its own (the transformers backend) sets it up itself.
+        cache_for = getattr(model, "local_kv_cache", None) or partial(local_kv_cache, model)
+        with cache_for(
             batch_size=len(prompts),
             device=device,
             dtype=dtype,

