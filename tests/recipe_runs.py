@@ -4,6 +4,7 @@
 import importlib.util
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,25 @@ def run_tune(
     return subprocess.run(
         [TUNE, "run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_torchrun(
+    script: str | Path, *args: str, nproc: int = 2, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc script args`` on a free loopback port (gloo, one
+    thread per rank), asserting it succeeded; its output is in the assertion message.
+    Timeouts are generous: the ranks share 2 cores with whatever else runs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done
 
 
 def run_recipe(recipe: str, config: str, output_dir: Path, *overrides: str) -> RecipeRun:

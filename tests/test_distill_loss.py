@@ -10,11 +10,6 @@ process.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +20,7 @@ from composer_tune.channels.sdpo.teacher import EMATeacher
 from composer_tune.distributed import DistInfo
 from composer_tune.losses.distill import DistillConfig, distill_loss, teacher_topk
 from composer_tune.models import qwen3_tiny
+from tests.recipe_runs import run_torchrun
 
 BATCH, STUDENT_LEN, TEACHER_LEN, DIM, VOCAB = 3, 7, 10, 16, 40
 COMPLETION = 4
@@ -603,15 +599,7 @@ def test_fsdp2_ema_teacher_and_topk_loss_match_one_process(tmp_path) -> None:
     teacher's TeacherTopK computed in its own sharded forward, equal the unsharded run."""
     worker, out = tmp_path / "worker.py", tmp_path / "result.json"
     worker.write_text(FSDP_WORKER)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    repo = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_torchrun(worker, str(out), timeout=300)
     result = json.loads(out.read_text())
     assert result["ema_diff"] < 1e-6
     assert result["loss"] == pytest.approx(result["plain_loss"], rel=1e-5)

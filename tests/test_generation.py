@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from torchtune.models.qwen2._component_builders import qwen2
 
 from composer_tune.distributed import finish_process, setup_distributed, teardown_distributed
 from composer_tune.rollout import generate, pack_sequences, sample_next_token
+from tests.recipe_runs import run_torchrun
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 97
@@ -496,12 +494,6 @@ def test_logprobs_match_transformers_logits_warpers(ours_and_hf) -> None:
         torch.testing.assert_close(logprobs, torch.stack(expected), atol=2e-4, rtol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _sync_ranks_worker(out_dir: Path) -> None:
     """torchrun worker: FSDP2-sharded greedy generation with ``sync_ranks`` on 2 gloo ranks.
 
@@ -565,22 +557,7 @@ def _sync_ranks_worker(out_dir: Path) -> None:
 @pytest.mark.slow
 def test_sync_ranks_with_fsdp2(tmp_path: Path) -> None:
     pytest.importorskip("composer_tune.models", reason="needs qwen3_tiny")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(Path(__file__).resolve()),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    run_torchrun(Path(__file__).resolve(), str(tmp_path), timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Unsynchronised, the ranks would run different numbers of forwards ...
     assert ranks[0]["reference_forwards"] != ranks[1]["reference_forwards"]

@@ -74,7 +74,9 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
     parity = parts["parity"]
     assert parity["status"] == "PASS"
     cases = [row for row in parity["rows"] if not row["case"].startswith("SmolLM2")]
-    assert len(cases) == 8  # 4 families x tied/untied
+    # tied/untied x (4 native families x both backends + 3 on the transformers backend only)
+    assert len(cases) == 22
+    assert sum(row["backend"] == "native" for row in cases) == 8
     for row in cases:
         # bf16 is inexact, and ours is as exact as transformers' own bf16 model.
         assert 0 < row["ours_vs_fp32"] <= row["tolerance"], row
@@ -92,8 +94,9 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
 
     speed = parts["speed"]
     assert speed["status"] == "INFO"
-    rates = {row["what"]: row.get("tokens_per_s", 0) for row in speed["rows"]}
-    assert len(rates) == 5, rates  # AC off/on x eager/compiled, and sampling
+    rates = {(row["what"], row["backend"]): row.get("tokens_per_s", 0) for row in speed["rows"]}
+    # Native: AC off/on x eager/compiled; transformers: AC off, eager/compiled; sampling on both.
+    assert len(rates) == 8, rates
     assert all(rate > 0 for rate in rates.values()), rates
 
     peer = parts["peer"]
@@ -118,10 +121,11 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
     shutil.copy(out / "report.json", tmp_path / "report.json")
     build_ours = gpu_check.build_ours
 
-    def broken(checkpoint: Path, device: torch.device) -> torch.nn.Module:
-        model = build_ours(checkpoint, device)
+    def broken(checkpoint: Path, device: torch.device, backend: str) -> torch.nn.Module:
+        model = build_ours(checkpoint, device, backend)
+        final_norm = model.norm.scale if backend == "native" else model.base_model.norm.weight
         with torch.no_grad():
-            model.norm.scale.mul_(1.5)  # a mis-loaded final norm
+            final_norm.mul_(1.5)  # a mis-loaded final norm
         return model
 
     monkeypatch.setattr(gpu_check, "build_ours", broken)

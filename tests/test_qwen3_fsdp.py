@@ -9,44 +9,21 @@ AdamW and SGD, and with the loss computed through ``head_fn`` inside the sharded
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.recipe_runs import run_torchrun
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("fsdp") / "results.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(WORKER),
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    run_torchrun(WORKER, str(out), timeout=300)
     return json.loads(out.read_text())
 
 

@@ -12,9 +12,6 @@ claim to share a prompt.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +36,7 @@ from composer_tune.rollout.shared_prefix import (
     choose_completions_per_row,
     shared_prefix_logprobs,
 )
+from tests.recipe_runs import run_torchrun
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 994
@@ -261,27 +259,12 @@ def test_long_completions_of_a_short_prompt_run_as_plain_rows() -> None:
 # ----------------------------------------------------------------------------- FSDP2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_fsdp2_with_activation_checkpointing_matches_one_process(tmp_path: Path) -> None:
     """2 gloo ranks, each with half the rows (group 1 is cut between them), FSDP2-sharded and
     checkpointed: per-rank log-probs and the averaged gradient equal one process's plain
     forward of the whole batch."""
     out = tmp_path / "fsdp.json"
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--nproc_per_node", "2"),
-        *("--master_addr", "127.0.0.1", "--master_port", str(_free_port())),
-        __file__,
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_torchrun(__file__, str(out), timeout=300)
     result = json.loads(out.read_text())
     assert result["logp_gap"] <= ATOL and result["entropy_gap"] <= ATOL, result
     assert result["grad_gap"] <= GRAD_RTOL * result["grad_scale"], result

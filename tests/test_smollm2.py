@@ -9,10 +9,6 @@ step on two gloo ranks against one process.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.data.tokenizer import ChatTokenizer
+from composer_tune.losses.logprobs import logprob_head
+from composer_tune.models.build import load_pretrained
 from composer_tune.rollout.generation import generate
-from tests.recipe_runs import run_recipe
+from tests.recipe_runs import run_recipe, run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -129,6 +127,26 @@ def test_logits_equal_transformers_on_real_text(models, ours_tokenizer: ChatToke
     assert diff <= TOL
 
 
+def test_both_backends_give_smollm2_the_same_logprobs(
+    smollm2_dir: Path, models, ours_tokenizer: ChatTokenizer
+) -> None:
+    """SmolLM2 on the transformers backend (LlamaForCausalLM behind the decoder interface)
+    equals the native decoder's token log-probs: the chunked head on both."""
+    native, _ = models
+    backend = load_pretrained(smollm2_dir, backend="transformers")
+    assert type(backend.hf_model).__name__ == "LlamaForCausalLM"
+    rows = [
+        ours_tokenizer.tokenize_messages(messages, add_generation_prompt=False)[0]
+        for messages in CHATS.values()
+    ]
+    width = min(len(row) for row in rows)
+    tokens = torch.tensor([row[:width] for row in rows])
+    head = logprob_head(tokens[:, 1:], chunk_size=64)
+    with torch.no_grad():
+        diff = native(tokens[:, :-1], head_fn=head) - backend(tokens[:, :-1], head_fn=head)
+    assert diff.abs().max().item() <= 1e-5
+
+
 def test_greedy_generation_equals_transformers_generate(models, ours_tokenizer) -> None:
     ours, hf = models
     prompts = [
@@ -160,21 +178,8 @@ def test_greedy_generation_equals_transformers_generate(models, ours_tokenizer) 
     assert "Paris" in ours_tokenizer.decode(out.completions[3])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _fsdp_step(checkpoint: Path, out: Path, nproc: int) -> dict:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(REPO / "tests" / "_fsdp_smollm2_worker.py"), str(checkpoint), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_torchrun(REPO / "tests" / "_fsdp_smollm2_worker.py", str(checkpoint), str(out), nproc=nproc)
     return torch.load(out)
 
 

@@ -46,8 +46,12 @@ SHORT_RUN = (
 MIN_GAIN = 0.0625
 
 
-def test_grpo_raises_smollm2_heldout_accuracy(smollm2_dir: Path, tmp_path: Path) -> None:
-    run = run_recipe("grpo", "smollm2", tmp_path / "out", *SHORT_RUN)
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_grpo_raises_smollm2_heldout_accuracy(
+    smollm2_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    """Through either model backend (``transformers``' own LlamaForCausalLM for the second)."""
+    run = run_recipe("grpo", "smollm2", tmp_path / "out", *SHORT_RUN, f"model.backend={backend}")
     before, after = run.heldout_accuracies()
     assert after - before >= MIN_GAIN, run.stdout[-2000:]
     # The trained model is an ordinary Hugging Face Llama checkpoint with SmolLM2's chat template

@@ -13,6 +13,7 @@ models refused with a reason, a mixture of experts' load-balancing loss against
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,11 +30,12 @@ from composer_tune.distributed import DistInfo
 from composer_tune.losses.logprobs import logprob_head
 from composer_tune.models import from_pretrained
 from composer_tune.models.build import build_decoder
-from composer_tune.models.hf_backend import HFCausalLM, router_loss
+from composer_tune.models.hf_backend import HFCausalLM, load_transformers_weights, router_loss
 from composer_tune.models.pretrained import resolve_backend
 from composer_tune.rollout.generation import generate, pack_sequences
 from composer_tune.rollout.rollouts import sequence_logprobs
 from composer_tune.rollout.shared_prefix import shared_prefix_logprobs
+from tests.recipe_runs import run_recipe, run_torchrun
 
 CPU = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
 VOCAB = 256
@@ -306,3 +308,110 @@ def test_diloco_fragments_walk_into_the_decoder_stack(checkpoints) -> None:
     assert names == [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm"]]
     _, names = split_into_fragments(_ours(checkpoints("qwen3_moe")), 3)
     assert [n for group in names for n in group][-1] == "lm_head"
+
+
+FSDP_FAMILIES = ["llama_tied", "qwen3_moe", "gemma3_text"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """tests/_fsdp_transformers_worker.py on 2 gloo ranks (FSDP2 + activation checkpointing)
+    against one process, for a tied dense model, a mixture of experts and a hybrid-window one."""
+    out = tmp_path_factory.mktemp("fsdp") / "results.json"
+    run_torchrun(
+        Path(__file__).with_name("_fsdp_transformers_worker.py"),
+        str(out),
+        *(str(checkpoints(family)) for family in FSDP_FAMILIES),
+        timeout=900,
+    )
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family", FSDP_FAMILIES)
+def test_fsdp2_on_two_ranks_equals_one_process(family: str, fsdp_results: dict, checkpoints):
+    result = fsdp_results[checkpoints(family).name]
+    assert result["fsdp_losses"] == pytest.approx(result["reference_losses"], abs=TOL)
+    assert result["max_weight_change"] > 1e-2  # training moved the weights
+    assert result["max_weight_diff"] <= TOL
+    assert result["still_tied"] == FAMILIES[family]().tie_word_embeddings
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A family's tiny random checkpoint at SmolLM2's vocabulary, with SmolLM2's tokenizer and
+    chat template beside it: what a user's ``model.path=DIR`` looks like."""
+    made: dict[str, Path] = {}
+
+    def checkpoint(family: str) -> Path:
+        if family not in made:
+            config = FAMILIES[family]()
+            config.vocab_size = 49152
+            config.max_position_embeddings = 1024
+            torch.manual_seed(0)
+            made[family] = tmp_path_factory.mktemp(f"{family}_tok")
+            AutoModelForCausalLM.from_config(config).save_pretrained(made[family])
+            for source in smollm2_dir.iterdir():
+                if source.name.startswith("tokenizer") or source.name == "chat_template.jinja":
+                    shutil.copy(source, made[family] / source.name)
+        return made[family]
+
+    return checkpoint
+
+
+@pytest.mark.slow
+def test_grpo_smollm2_config_trains_a_users_model(with_tokenizer, tmp_path: Path) -> None:
+    """The one-line change the README names: ``model.path=DIR``. A family the native decoder
+    lacks (Gemma 3, sliding and full layers) trains a GRPO step; its checkpoint loads in
+    ``transformers``."""
+    run = run_recipe(
+        "grpo", "smollm2", tmp_path, f"model.path={with_tokenizer('gemma3_text')}",
+        "max_steps=1", "eval_every_n_steps=0", "eval_dataset.num_samples=8",
+    )  # fmt: skip
+    saved = tmp_path / "checkpoints" / "step_0000001" / "model"
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    assert model.config.model_type == "gemma3_text"
+    assert 1 in run.metrics() and "loss" in run.metrics()[1]
+
+
+@pytest.mark.slow
+def test_composer_full_trains_a_mixture_of_experts(with_tokenizer, tmp_path: Path) -> None:
+    """All three channels on Qwen3-MoE with its load-balancing loss on: the router's loss and
+    each layer's expert load are logged for the shared forward (channels 1-2) and channel 3's."""
+    run = run_recipe(
+        "composer_full", "smollm2", tmp_path, f"model.path={with_tokenizer('qwen3_moe')}",
+        "model.router_aux_loss_coef=0.01", "max_steps=1", "eval_every_n_steps=0",
+        "eval_dataset.num_samples=8",
+    )  # fmt: skip
+    logged = run.metrics()[1]
+    for prefix in ("", "dpo/"):
+        assert logged[f"{prefix}moe/aux_loss"] > 0
+        assert logged[f"{prefix}moe/load_max_over_mean/layer_1"] >= 1.0
+    saved = tmp_path / "checkpoints" / "step_0000001" / "model"
+    assert AutoModelForCausalLM.from_pretrained(saved).config.model_type == "qwen3_moe"
+
+
+@pytest.mark.slow
+def test_resume_is_exact_on_the_transformers_backend(with_tokenizer, tmp_path: Path) -> None:
+    """Two SFT steps in one run equal one step, a stop and a resume (weights, optimizer state
+    and data order through a transformers-backend checkpoint): a mixture of experts, whose
+    expert tensors transformers converts on loading and saving."""
+    common = [
+        f"model.path={with_tokenizer('mixtral')}", "checkpoint.save_every_n_steps=1",
+        "batch_size=2", "logging.log_every_n_steps=1",
+    ]  # fmt: skip
+    run_recipe("sft", "smollm2_tools", tmp_path / "whole", *common, "max_steps=2")
+    run_recipe("sft", "smollm2_tools", tmp_path / "parts", *common, "max_steps=1")
+    run_recipe(
+        "sft", "smollm2_tools", tmp_path / "parts", *common, "max_steps=2",
+        "checkpoint.resume_from_checkpoint=latest",
+    )  # fmt: skip
+    whole = load_transformers_weights(tmp_path / "whole" / "checkpoints" / "step_0000002" / "model")
+    parts = load_transformers_weights(tmp_path / "parts" / "checkpoints" / "step_0000002" / "model")
+    start = load_transformers_weights(with_tokenizer("mixtral"))
+    assert whole.keys() == parts.keys()
+    assert any(not torch.equal(whole[k], start[k]) for k in whole)  # it trained
+    for name in whole:
+        assert torch.equal(whole[name], parts[name]), name

@@ -365,3 +365,51 @@ def test_the_engine_modules_import_without_a_cycle() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _transformers_backend_model(config: object, tmp_path: Path) -> torch.nn.Module:
+    """A random ``transformers`` checkpoint of ``config`` loaded on the transformers backend."""
+    from transformers import AutoModelForCausalLM
+
+    from composer_tune.models.build import load_pretrained
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    return load_pretrained(tmp_path, backend="transformers")
+
+
+def test_a_transformers_backend_model_is_pushed_by_its_checkpoint_names(tmp_path: Path) -> None:
+    """Mistral (a family the native decoder lacks) through the transformers backend: the engine
+    starts from its save_pretrained checkpoint and takes a push by Hugging Face names."""
+    from transformers import MistralConfig
+
+    shape = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = MistralConfig(
+        vocab_size=512, num_hidden_layers=2, intermediate_size=96, initializer_range=0.3, **shape
+    )
+    model = _transformers_backend_model(config, tmp_path)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    engine = VLLMEngine(model, CPU, VLLMSection(max_model_len=128), run_dtype="fp32", seed=0)
+    try:
+        for version in (0, 1):
+            ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+            native = generate(model, prompts, max_new_tokens=12, pad_id=0, greedy=True)
+            assert ours.completions == native.completions, version
+            with torch.no_grad():  # a trained policy, for the next round
+                for parameter in model.parameters():
+                    parameter.mul_(1.5)
+            assert engine.sync_weights(model, version=version + 1)
+    finally:
+        engine.close()
+
+
+def test_a_mixture_of_experts_is_refused_on_vllm_cpu(tmp_path: Path) -> None:
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    model = _transformers_backend_model(config, tmp_path)
+    with pytest.raises(RolloutEngineError, match="does not reload a mixture of experts"):
+        VLLMEngine(model, CPU, VLLMSection(max_model_len=128), run_dtype="fp32", seed=0)

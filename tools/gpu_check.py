@@ -12,10 +12,11 @@ report. Every section records the machine, torch/CUDA versions, date and commit 
 
 The parts, all in bf16 (``docs/gpu/README.md`` has the goals and how to run them):
 
-- ``parity``: the project's decoder, built the recipes' way (``build_decoder`` on
+- ``parity``: the project's model, built the recipes' way (``build_decoder`` on
   ``composer_tune.models.from_pretrained`` with the checkpoint's weights), against
-  ``transformers`` on small random Llama (plain and Llama 3.1 RoPE), Qwen2 and Qwen3 configs,
-  tied and untied, with norms and biases randomised as tests/test_model_families.py does; and on
+  ``transformers`` on small random Llama (plain and Llama 3.1 RoPE), Qwen2 and Qwen3 configs on
+  both backends (``model.backend`` native and transformers), and Mistral, Gemma 3 and Qwen3-MoE
+  on the transformers backend, tied and untied, with norms and biases randomised as tests/test_model_families.py does; and on
   SmolLM2-135M with ``--smollm2-dir``. Both bf16 models are compared with transformers in fp32:
   ours passes when its max abs logit error is at most twice transformers' own bf16 error (plus
   1e-3), i.e. the decoder is as exact as transformers can be in bf16.
@@ -32,8 +33,9 @@ The parts, all in bf16 (``docs/gpu/README.md`` has the goals and how to run them
 - ``speed``: forward+backward tokens/s and MFU of a Qwen3-8B layer stack with its 152k-vocabulary
   log-prob head (as many layers as the estimator says fit without activation checkpointing),
   with and without activation checkpointing and ``torch.compile`` (torchtune's per-layer
-  ``compile_model``); and tokens/s of the native KV-cache sampler (``rollout/generation.py``) on
-  the full Qwen3-8B. MFU counts useful FLOPs (6 N per token for the N matmul parameters plus
+  ``compile_model``), and the same shape on the transformers backend (``Qwen3ForCausalLM``,
+  eager and compiled per layer); and tokens/s of the native KV-cache sampler
+  (``rollout/generation.py``) on the full Qwen3-8B, on both backends. MFU counts useful FLOPs (6 N per token for the N matmul parameters plus
   6 L s H d_head for causal attention; recomputation is not counted) against the bf16 dense peak
   (H100 SXM and H200 989 TFLOP/s, detected by name or ``--peak-tflops``); goal: >= 45 %.
 - ``peer``: GRPO steps of composer-tune and TRL's ``GRPOTrainer`` alternating in one process, the
@@ -218,7 +220,22 @@ PARITY_FAMILIES = {
     "llama3_scaled": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 48}),  # head_dim != hidden / heads, as Qwen3 allows
+    # The transformers backend only: a sliding window, hybrid windows, a mixture of experts.
+    "mistral": ("MistralConfig", {"sliding_window": 32}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    ),
 }
+NATIVE_PARITY = ("llama", "llama3_scaled", "qwen2", "qwen3")
 
 
 def _perturb(model: torch.nn.Module) -> None:
@@ -256,15 +273,20 @@ def _random_hf_checkpoint(family: str, tied: bool, directory: Path) -> None:
     model.save_pretrained(directory)
 
 
-def build_ours(checkpoint: Path, device: torch.device) -> torch.nn.Module:
-    """The project's bf16 decoder of ``checkpoint``, built as every recipe builds it."""
+def build_ours(checkpoint: Path, device: torch.device, backend: str = "auto") -> torch.nn.Module:
+    """The project's bf16 model of ``checkpoint`` on ``backend``, built as every recipe builds
+    it."""
     from omegaconf import OmegaConf
 
     from composer_tune.distributed import DistInfo
     from composer_tune.models.build import build_decoder
 
     model_cfg = OmegaConf.create(
-        {"_component_": "composer_tune.models.from_pretrained", "path": str(checkpoint)}
+        {
+            "_component_": "composer_tune.models.from_pretrained",
+            "path": str(checkpoint),
+            "backend": backend,
+        }
     )
     return build_decoder(
         model_cfg,
@@ -277,7 +299,9 @@ def build_ours(checkpoint: Path, device: torch.device) -> torch.nn.Module:
     ).eval()
 
 
-def _parity_row(name: str, checkpoint: Path, tokens: torch.Tensor, device: torch.device) -> dict:
+def _parity_row(
+    name: str, checkpoint: Path, tokens: torch.Tensor, device: torch.device, backend: str
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     tokens = tokens.to(device)
@@ -287,7 +311,7 @@ def _parity_row(name: str, checkpoint: Path, tokens: torch.Tensor, device: torch
         with torch.no_grad():
             logits[label] = hf(tokens).logits.float()
         del hf
-    ours = build_ours(checkpoint, device)
+    ours = build_ours(checkpoint, device, backend)
     with torch.no_grad():
         logits["ours"] = ours(tokens).float()
     del ours
@@ -297,6 +321,7 @@ def _parity_row(name: str, checkpoint: Path, tokens: torch.Tensor, device: torch
     tolerance = PARITY_RELATIVE * hf_error + PARITY_FLOOR
     return {
         "case": name,
+        "backend": backend,
         "ours_vs_hf_bf16": (logits["ours"] - logits["bf16"]).abs().max().item(),
         "ours_vs_fp32": ours_error,
         "hf_bf16_vs_fp32": hf_error,
@@ -329,16 +354,20 @@ def run_parity(settings: Settings) -> PartResult:
     tokens = torch.randint(0, PARITY_VOCAB, PARITY_TOKENS, generator=generator)
     with tempfile.TemporaryDirectory() as tmp:
         for family in PARITY_FAMILIES:
+            # The native decoder's families on both backends; the others on transformers'.
+            backends = ("native", "transformers") if family in NATIVE_PARITY else ("transformers",)
             for tied in (True, False):
                 name = f"{family}, {'tied' if tied else 'untied'}"
-                try:
-                    directory = Path(tmp) / f"{family}_{tied}"
-                    _random_hf_checkpoint(family, tied, directory)
-                    rows.append(_parity_row(name, directory, tokens, settings.device))
-                except ImportError:
-                    raise  # a missing package skips the part, by name
-                except Exception as err:  # noqa: BLE001 - recorded, the other cases go on
-                    rows.append(_error_row({"case": name}, err))
+                directory = Path(tmp) / f"{family}_{tied}"
+                for backend in backends:
+                    try:
+                        if not directory.is_dir():
+                            _random_hf_checkpoint(family, tied, directory)
+                        rows.append(_parity_row(name, directory, tokens, settings.device, backend))
+                    except ImportError:
+                        raise  # a missing package skips the part, by name
+                    except Exception as err:  # noqa: BLE001 - recorded, the other cases go on
+                        rows.append(_error_row({"case": name, "backend": backend}, err))
     name = "SmolLM2-135M (--smollm2-dir)"
     directory = settings.smollm2_dir
     if directory is None:
@@ -346,13 +375,16 @@ def run_parity(settings: Settings) -> PartResult:
     elif not (directory / "config.json").is_file():
         rows.append({"case": name, "status": "SKIPPED", "note": f"{directory}/config.json absent"})
     else:
-        try:
-            rows.append(_parity_row(name, directory, _smollm2_tokens(directory), settings.device))
-        except Exception as err:  # noqa: BLE001
-            rows.append(_error_row({"case": name}, err))
+        for backend in ("native", "transformers"):
+            try:
+                text = _smollm2_tokens(directory)
+                rows.append(_parity_row(name, directory, text, settings.device, backend))
+            except Exception as err:  # noqa: BLE001
+                rows.append(_error_row({"case": name, "backend": backend}, err))
     return PartResult(
         columns=[
             ("case", "case", ""),
+            ("backend", "model.backend", ""),
             ("ours_vs_hf_bf16", "max abs diff, ours vs transformers (both bf16)", ".4g"),
             ("ours_vs_fp32", "ours bf16 vs transformers fp32", ".4g"),
             ("hf_bf16_vs_fp32", "transformers bf16 vs fp32", ".4g"),
@@ -682,12 +714,35 @@ def _model_node(args: Any) -> Any:
     return OmegaConf.create({"_component_": "composer_tune.models.qwen3", **fields})
 
 
-def _build(args: Any, device: torch.device, checkpointing: bool) -> torch.nn.Module:
+def _transformers_node(args: Any) -> Any:
+    """A config ``model`` node building ``args``' shape on the transformers backend
+    (``Qwen3ForCausalLM``): a ``config.json`` in a temporary folder, random weights."""
+    from omegaconf import OmegaConf
+
+    from composer_tune.checkpointing.hf_checkpoint import CONFIG_NAME, hf_config_from_decoder_args
+
+    directory = Path(tempfile.mkdtemp(prefix="gpu_check_shape_"))
+    config = hf_config_from_decoder_args(args, torch.bfloat16)
+    (directory / CONFIG_NAME).write_text(json.dumps(config))
+    return OmegaConf.create(
+        {
+            "_component_": "composer_tune.models.from_pretrained",
+            "path": str(directory),
+            "max_seq_len": args.max_seq_len,
+            "backend": "transformers",
+        }
+    )
+
+
+def _build(
+    args: Any, device: torch.device, checkpointing: bool, backend: str = "native"
+) -> torch.nn.Module:
     from composer_tune.distributed import DistInfo
     from composer_tune.models.build import build_decoder
 
+    node = _model_node(args) if backend == "native" else _transformers_node(args)
     return build_decoder(
-        _model_node(args),
+        node,
         checkpoint=None,
         dtype=torch.bfloat16,
         dist_info=DistInfo(world_size=1, rank=0, device=device),
@@ -698,7 +753,13 @@ def _build(args: Any, device: torch.device, checkpointing: bool) -> torch.nn.Mod
 
 
 def _time_forward_backward(
-    args: Any, settings: Settings, checkpointing: bool, compiled: bool, batch: int, steps: int
+    args: Any,
+    settings: Settings,
+    checkpointing: bool,
+    compiled: bool,
+    batch: int,
+    steps: int,
+    backend: str = "native",
 ) -> float:
     """Median seconds of forward (chunked log-prob head) + backward over ``steps`` timed steps."""
     from torchtune import training
@@ -706,9 +767,12 @@ def _time_forward_backward(
     from composer_tune.losses import logprob_head
 
     device = settings.device
-    model = _build(args, device, checkpointing).train()
-    if compiled:
+    model = _build(args, device, checkpointing, backend).train()
+    if compiled and backend == "native":
         training.compile_model(model, verbose=False)
+    elif compiled:  # per decoder layer, as torchtune compiles its own
+        for layer in model.decoder_layers():
+            layer.compile()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, args.max_seq_len), generator=generator)
     tokens = tokens.to(device)
@@ -726,13 +790,21 @@ def _time_forward_backward(
     return statistics.median(times)
 
 
-def _generation_rate(args: Any, settings: Settings, batch: int, prompt_len: int, new: int) -> float:
+def _generation_rate(
+    args: Any,
+    settings: Settings,
+    batch: int,
+    prompt_len: int,
+    new: int,
+    backend: str = "native",
+) -> float:
     """Sampled tokens per second of the native KV-cache engine (no stop tokens: every row runs
-    to ``new`` tokens), after a short warm-up call."""
+    to ``new`` tokens), after a short warm-up call; on ``backend``'s model (the transformers
+    backend decodes through the model's own attention and a transformers cache)."""
     from composer_tune.rollout.generation import generate
 
     device = settings.device
-    model = _build(args, device, checkpointing=False)
+    model = _build(args, device, checkpointing=False, backend=backend)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, args.vocab_size, (batch, prompt_len), generator=generator).tolist()
     sampler = torch.Generator(device=device).manual_seed(0)
@@ -761,37 +833,41 @@ def run_speed(settings: Settings) -> PartResult:
     backend = os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
     rows: list[dict[str, Any]] = []
     best_mfu = None
-    for checkpointing in (False, True):
-        for compiled in (False, True):
-            mode = f"compiled ({backend})" if compiled else "eager"
-            ac = "on" if checkpointing else "off"
-            row: dict[str, Any] = {
-                "what": f"fwd+bwd, {args.num_layers} layers, AC {ac}, {mode}",
-                "shape": f"{batch} x {seq_len}",
-            }
-            try:
-                seconds = _time_forward_backward(
-                    args, settings, checkpointing, compiled, batch, steps
-                )
-            except ImportError:
-                raise
-            except Exception as err:  # noqa: BLE001 - e.g. a compile failure: next variant
-                rows.append(_error_row(row, err))
-                continue
-            finally:
-                _free_memory(settings.device)
-            row.update(
-                {
-                    "seconds": seconds,
-                    "tokens_per_s": tokens / seconds,
-                    "tflops": flops / seconds / 1e12,
-                }
+    # The native decoder with and without activation checkpointing; transformers' Qwen3 (the
+    # transformers backend) without, eager and compiled: the comparison that decides auto.
+    variants = [("native", ac, compiled) for ac in (False, True) for compiled in (False, True)]
+    variants += [("transformers", False, compiled) for compiled in (False, True)]
+    for model_backend, checkpointing, compiled in variants:
+        mode = f"compiled ({backend})" if compiled else "eager"
+        ac = "on" if checkpointing else "off"
+        row: dict[str, Any] = {
+            "what": f"fwd+bwd, {args.num_layers} layers, AC {ac}, {mode}",
+            "backend": model_backend,
+            "shape": f"{batch} x {seq_len}",
+        }
+        try:
+            seconds = _time_forward_backward(
+                args, settings, checkpointing, compiled, batch, steps, model_backend
             )
-            if peak is not None:
-                row["mfu"] = row["tflops"] / peak
-                best_mfu = max(best_mfu or 0.0, row["mfu"])
-            row["status"] = "INFO"
-            rows.append(row)
+        except ImportError:
+            raise
+        except Exception as err:  # noqa: BLE001 - e.g. a compile failure: next variant
+            rows.append(_error_row(row, err))
+            continue
+        finally:
+            _free_memory(settings.device)
+        row.update(
+            {
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "tflops": flops / seconds / 1e12,
+            }
+        )
+        if peak is not None:
+            row["mfu"] = row["tflops"] / peak
+            best_mfu = max(best_mfu or 0.0, row["mfu"])
+        row["status"] = "INFO"
+        rows.append(row)
     if best_mfu is not None:
         rows.append(
             {
@@ -806,13 +882,16 @@ def run_speed(settings: Settings) -> PartResult:
         with torch.device("meta"):
             gen_args = qwen3_8b(max_seq_len=256).config
         gen_batches, prompt_len, new = (8, 64), 128, 128
-    for gen_batch in gen_batches:
+    sampling = [("native", gen_batch) for gen_batch in gen_batches]
+    sampling.append(("transformers", gen_batches[-1]))
+    for model_backend, gen_batch in sampling:
         row = {
             "what": f"native sampling, {gen_args.num_layers}-layer model",
+            "backend": model_backend,
             "shape": f"{gen_batch} rows, {prompt_len}+{new}",
         }
         try:
-            rate = _generation_rate(gen_args, settings, gen_batch, prompt_len, new)
+            rate = _generation_rate(gen_args, settings, gen_batch, prompt_len, new, model_backend)
         except ImportError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -825,6 +904,7 @@ def run_speed(settings: Settings) -> PartResult:
     return PartResult(
         columns=[
             ("what", "what", ""),
+            ("backend", "model.backend", ""),
             ("shape", "batch x seq", ""),
             ("seconds", "s / step", ".3f"),
             ("tokens_per_s", "tokens/s", ",.0f"),

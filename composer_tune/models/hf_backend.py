@@ -304,7 +304,13 @@ class HFCausalLM(nn.Module):
         is appended to and ``mask`` spans the cache (``[b, s, cache_len]``)."""
         if input_pos is not None and input_pos.dim() == 1:
             input_pos = input_pos[None].expand(tokens.shape[0], -1)
-        kwargs: dict[str, Any] = {"input_ids": tokens, "position_ids": input_pos}
+        # No cache unless sampling: a training forward's cache would also be appended to when
+        # activation checkpointing recomputes a layer in the backward.
+        kwargs: dict[str, Any] = {
+            "input_ids": tokens,
+            "position_ids": input_pos,
+            "use_cache": False,
+        }
         if self._cache is not None:
             kwargs.update(self._cached_inputs(tokens, mask, input_pos))
         elif mask is not None:
