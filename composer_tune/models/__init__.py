@@ -1,6 +1,8 @@
-"""Decoders of the Llama, Qwen2 and Qwen3 families built from torchtune components (torchtune
-0.6.1 ships no Qwen3), Qwen3 presets, and :func:`from_pretrained` for any Hugging Face
-checkpoint of those families."""
+"""The policy models: decoders of the Llama, Qwen2 and Qwen3 families built from torchtune
+components (the native backend; torchtune 0.6.1 ships no Qwen3), Qwen3 presets, any other
+``transformers`` causal LM behind the same interface (the transformers backend,
+:mod:`composer_tune.models.hf_backend`), and :func:`from_pretrained`, which builds either from a
+Hugging Face checkpoint directory."""
 
 from composer_tune.models.decoder import (
     FAMILIES,

@@ -9,12 +9,13 @@ native decoder (:class:`~composer_tune.models.decoder.CausalDecoder`):
   logits tensor); ``output`` maps hidden states to the model's own logits, logit soft-capping
   and scaling included. A boolean ``mask`` ``[b, s, s_kv]`` becomes the 4-D mask
   ``transformers`` takes as given, composed with each layer type's sliding window.
-- torchtune's KV-cache API (``setup_caches`` ... through :meth:`HFCausalLM.local_kv_cache`),
-  so the native sampler decodes through the model's own attention with a ``transformers``
-  cache whose every layer keeps all positions (the sampler's masks address cache slots).
-- Hugging Face parameter names: the wrapper's children are the ``transformers`` model's
-  (``model``, ``lm_head``), so its state dict *is* a Hugging Face state dict, written by
-  :func:`~composer_tune.checkpointing.save_hf_checkpoint` and pushed to vLLM by those names.
+- the KV-cache calls the native sampler makes (``caches_are_setup`` and a
+  :meth:`HFCausalLM.local_kv_cache` context in place of torchtune's), so it decodes through
+  the model's own attention with a ``transformers`` cache whose every layer keeps all
+  positions (the sampler's masks address cache slots).
+- ``transformers``' parameter names: the wrapper's children are the ``transformers`` model's
+  (``model``, ``lm_head``); ``save_pretrained``'s conversion writes the checkpoint names (a
+  mixture of experts' fused tensors split per expert), by which vLLM is pushed too.
 - ``decoder_layers()``: the units FSDP2 shards and activation checkpointing wraps.
 - Mixture of experts: each training forward records the router logits; the load-balancing
   loss (the model family's own ``load_balancing_loss_func``) and the experts' load per layer
