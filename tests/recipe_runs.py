@@ -35,8 +35,9 @@ class RecipeRun:
 def run_tune(
     *args: str, cwd: Path = REPO_ROOT, timeout: float = 1800
 ) -> subprocess.CompletedProcess:
-    """`tune run ...` from the repo root, as a user types it."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    """`tune run ...` from the repo root, as a user types it, importing the checkout in ``cwd``
+    (the installed package may be another checkout's: a git worktree's tests test its own code)."""
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
     env["PYTHONUNBUFFERED"] = "1"
     # A process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack, so
     # a rare multi-process crash under load names where each thread was.
