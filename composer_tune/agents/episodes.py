@@ -371,8 +371,9 @@ def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResul
             e.final_text if prompt_text(e.sample) is not None else e.completion_messages()
             for e in episodes
         ],
+        # An episode that could not run has no environment state to score.
         environments=(
-            [e.environment for e in episodes]
+            [e.environment if e.record.error is None else None for e in episodes]
             if any(e.environment is not None for e in episodes)
             else None
         ),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tqdm import tqdm
 
 from composer_tune.rewards.base import Reward, RewardResult
 from composer_tune.rewards.composite import combine_results
@@ -65,7 +66,8 @@ class ScoringBatch:
             passes its prompt with the environment's ``reset`` text appended).
         completions: TRL's ``completions`` (None: the text, as one assistant message for a
             conversational row; an episode passes every message after its prompt).
-        environments: each row's environment instance (None: no environment).
+        environments: each row's environment instance (None: no environment; a None entry:
+            that row's episode could not run).
     """
 
     samples: Sequence[Mapping[str, Any]]
@@ -326,7 +328,8 @@ def _checked_result(result: Any, name: str, row: int) -> RewardResult:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """One ``warning:`` line on stderr, above a progress bar if one is drawn."""
+    tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
 def build_reward(node: Any, *, where: str = "reward") -> RewardFunctions:
