@@ -32,12 +32,18 @@ class RecipeRun:
         return read_metrics(self.output_dir / "logs")
 
 
+def checkout_env(cwd: Path = REPO_ROOT) -> dict[str, str]:
+    """This process's environment for a recipe subprocess run in ``cwd``: it imports the
+    checkout there, whatever checkout the venv installed (a git worktree's tests test its own
+    code), and nothing else from this process's ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": str(cwd)}
+
+
 def run_tune(
     *args: str, cwd: Path = REPO_ROOT, timeout: float = 1800
 ) -> subprocess.CompletedProcess:
-    """`tune run ...` from the repo root, as a user types it, importing the checkout in ``cwd``
-    (the installed package may be another checkout's: a git worktree's tests test its own code)."""
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    """`tune run ...` from the repo root, as a user types it (:func:`checkout_env`)."""
+    env = checkout_env(cwd)
     env["PYTHONUNBUFFERED"] = "1"
     # A process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack, so
     # a rare multi-process crash under load names where each thread was.
