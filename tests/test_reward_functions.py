@@ -131,6 +131,19 @@ def test_environment_reward_is_a_weight_one_part_and_the_only_one_without_functi
     assert received["environments"] == environments
 
 
+class Stuck:
+    def get_reward(self) -> float:
+        time.sleep(5)
+        return 1.0
+
+
+def test_a_get_reward_that_hangs_is_abandoned_after_the_timeout(capsys) -> None:
+    reward = RewardFunctions([math_only], timeout_s=0.2)
+    results = reward.score(_batch(environments=[Stuck(), Meter(1.0)]))
+    assert results[0].score == 1.0 and results[1].score == 1.0  # row 1: the meter alone
+    assert "warning: Stuck.get_reward timed out after 0.2 s" in capsys.readouterr().err
+
+
 def test_a_failing_get_reward_leaves_its_row_to_the_other_parts(capsys) -> None:
     results = RewardFunctions([math_only]).score(_batch(environments=[Broken(), Broken()]))
     assert results[0].score == 1.0 and "get_reward failed: RuntimeError: meter offline" in (
@@ -217,6 +230,10 @@ def needs_stock(completions, stock) -> list[float]:
     return [0.0] * len(completions)
 
 
+def names_every_column(prompts, completions, completion_ids, stock, item) -> list[float]:
+    return [0.0] * len(completions)
+
+
 def test_setup_checks_name_the_problem_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^reward: no reward: give reward functions, or an"):
         RewardFunctions().check(["prompt"], environment_reward=False, where="reward")
@@ -228,6 +245,12 @@ def test_setup_checks_name_the_problem_in_one_line() -> None:
     message = str(info.value)
     assert message.startswith("reward: reward function needs_stock cannot be called with TRL's")
     assert "(add **kwargs)" in message and "\n" not in message
+    # Naming every column works until an environment runs the episodes: TRL then passes
+    # `environments` too.
+    columns = ["prompt", "stock", "item"]
+    RewardFunctions([names_every_column]).check(columns, where="reward")
+    with pytest.raises(ValueError, match="unexpected keyword argument 'environments'"):
+        RewardFunctions([names_every_column]).check(columns, environments=True, where="reward")
     with pytest.raises(ValueError, match="3 weights for 1 reward functions"):
         RewardFunctions([math_only], reward_weights=[1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="cannot import 'no.such.function'"):

@@ -202,10 +202,18 @@ class RewardFunctions:
     def names(self) -> list[str]:
         return [_entry_name(entry) for entry in self.entries]
 
-    def check(self, columns: Sequence[str], *, environment_reward: bool, where: str) -> None:
+    def check(
+        self,
+        columns: Sequence[str],
+        *,
+        environments: bool = False,
+        environment_reward: bool = False,
+        where: str = "reward",
+    ) -> None:
         """Set-up checks, before any rollout: some reward exists (a function, or an environment
-        with ``get_reward()``: TRL's rule), and every TRL function takes TRL's arguments and the
-        dataset's ``columns`` (TRL passes each as a keyword: ``**kwargs`` takes them all)."""
+        with ``get_reward()``: TRL's rule), and every TRL function takes TRL's arguments, the
+        dataset's ``columns`` and, when an environment runs the episodes (``environments``),
+        the ``environments`` keyword (TRL passes each as a keyword: ``**kwargs`` takes them)."""
         if not self.entries and not environment_reward:
             raise ValueError(
                 f"{where}: no reward: give reward functions, or an agent environment whose "
@@ -213,7 +221,7 @@ class RewardFunctions:
             )
         keywords = dict.fromkeys(["prompts", "completions", "completion_ids"])
         keywords.update(dict.fromkeys(key for key in columns if key not in NOT_COLUMNS))
-        if environment_reward:
+        if environments:
             keywords[ENVIRONMENTS_KEY] = None
         for entry in self.entries:
             if not _is_function(entry):

@@ -236,17 +236,18 @@ class PromptTask:
         eval_dataset = config.instantiate(cfg.eval_dataset) if cfg.eval_dataset else None
         if eval_dataset is not None and len(eval_dataset) == 0:
             raise ValueError(f"eval_dataset {cfg.eval_dataset._component_} holds no samples")
-        environment_reward = agent is not None and agent.environment_reward
+        environment = {
+            "environments": agent is not None and agent.factories is not None,
+            "environment_reward": agent is not None and agent.environment_reward,
+        }
         reward = build_reward(cfg.reward, where="reward")
-        reward.check(dataset[0].keys(), environment_reward=environment_reward, where="reward")
+        reward.check(dataset[0].keys(), **environment, where="reward")
         eval_reward = reward
         if cfg.eval_reward is not None:
             eval_reward = build_reward(cfg.eval_reward, where="eval_reward")
         if eval_dataset is not None:
             key = "eval_reward" if cfg.eval_reward is not None else "reward"
-            eval_reward.check(
-                eval_dataset[0].keys(), environment_reward=environment_reward, where=key
-            )
+            eval_reward.check(eval_dataset[0].keys(), **environment, where=key)
         return cls(
             loader=loader,
             sampler=sampler,
