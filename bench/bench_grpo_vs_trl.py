@@ -557,14 +557,14 @@ def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
     """Time the recipes' generation (with vLLM: also the weight push), reward and log-prob
     forwards, at the names they call."""
     from composer_tune.channels import composer
-    from composer_tune.rollout import rollouts
+    from composer_tune.rollout import rollouts, window
 
-    rollouts.generate = clock.wrap("generation", rollouts.generate)
+    window.generate = clock.wrap("generation", window.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
     composer.rollout_logprobs = clock.wrap("train log-prob forward", composer.rollout_logprobs)
     for step in steps:
         run = step.recipe.run
-        run.task.reward = clock.wrap("reward", run.task.reward)
+        run.task.reward.score = clock.wrap("reward", run.task.reward.score)
         run.optimizer.step = clock.wrap("AdamW step", run.optimizer.step)
         engine = run.engine
         if engine is not None:

@@ -128,14 +128,14 @@ class PhaseClock:
 def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
     """Wrap the functions the recipe calls for each phase (module globals it looks up)."""
     from composer_tune.channels import composer
-    from composer_tune.rollout import rollouts
+    from composer_tune.rollout import rollouts, window
 
-    rollouts.generate = clock.wrap("generation", rollouts.generate)
+    window.generate = clock.wrap("generation", window.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
     composer.rollout_logprobs = clock.wrap("train forward", composer.rollout_logprobs)
     for variant in variants:
         task = variant.recipe.run.task
-        task.reward = clock.wrap("reward", task.reward)
+        task.reward.score = clock.wrap("reward", task.reward.score)
         engine = variant.recipe.run.engine  # rollout.engine=vllm: sampling and the weight push
         if engine is not None:
             engine.generate = clock.wrap("generation", engine.generate)

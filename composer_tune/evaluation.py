@@ -6,6 +6,7 @@ reward scores the completions; counts are summed over ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -15,9 +16,11 @@ from torch import nn
 
 from composer_tune.config import EvalSampling
 from composer_tune.distributed import DistInfo, all_reduce_sum
-from composer_tune.rewards.base import Reward
-from composer_tune.rollout import encode_prompts, generate
+from composer_tune.rewards.base import RewardResult
+from composer_tune.rewards.functions import ScoringBatch
+from composer_tune.rollout import encode_prompts
 from composer_tune.rollout.rollouts import episode_metrics
+from composer_tune.rollout.window import generate_in_window, score_in_window
 
 if TYPE_CHECKING:
     from composer_tune.agents import AgentRuntime, EpisodeRecord
@@ -25,12 +28,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class EvalResult:
-    accuracy: float
-    reward_mean: float
+    accuracy: float  # success (RewardResult.correct); an unscored completion is a failure
+    reward_mean: float  # over the scored completions (NaN: none was)
     num_samples: int
     mean_completion_tokens: float
-    # A few (prompt, completion, gold) triples from rank 0, for logs and eyeballing.
-    examples: list[dict[str, str]] = field(default_factory=list)
+    # A few (prompt, completion, gold when the row has one, reward) from rank 0, for logs.
+    examples: list[dict[str, Any]] = field(default_factory=list)
     # Agent episodes only: turns, tool_calls, tool_errors, truncated, ... (logged under prefix)
     episode_metrics: dict[str, float] = field(default_factory=dict)
     # A sampled evaluation (mean success over samples_per_problem completions per problem;
@@ -68,12 +71,22 @@ class EvalResult:
         )
 
 
+def _example(sample: Mapping[str, Any], text: str, result: RewardResult) -> dict[str, Any]:
+    """An evaluated completion for logs: the question, the completion, the gold answer when the
+    row has one (a task scored by its environment or its reward functions needs none), and the
+    reward."""
+    example = {"prompt": sample["prompt"][-1]["content"], "completion": text}
+    if "answer" in sample:
+        example["gold"] = sample["answer"]
+    return {**example, "reward": result.score}
+
+
 @torch.no_grad()
 def evaluate_heldout(
     model: nn.Module,
     tokenizer: Any,
     dataset: Sequence[Mapping[str, Any]],
-    reward: Reward,
+    reward: Any,
     *,
     dist_info: DistInfo,
     batch_size: int,
@@ -84,7 +97,9 @@ def evaluate_heldout(
     sampling: EvalSampling | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of ``model`` on ``dataset``: accuracy (``RewardResult.correct``) and mean
-    reward. Collective under torchrun: every rank must call it.
+    reward, scored by ``reward`` as training scores (a ``RewardFunctions``, a project reward or
+    a TRL reward function: no gold answer is needed). Completions stop at the model's window
+    (``generate_in_window``). Collective under torchrun: every rank must call it.
 
     With ``sampling``, each problem is instead sampled ``samples_per_problem`` times at its
     temperature from a generator seeded by its seed (the same draws for every checkpoint
@@ -107,8 +122,9 @@ def evaluate_heldout(
     # Equal batch counts on every rank: FSDP forwards are collectives.
     per_rank = -(-len(dataset) // dist_info.world_size) * repeats
     num_batches = -(-per_rank // batch_size)
-    totals = torch.zeros(4, dtype=torch.float64)  # correct, reward, samples, completion tokens
-    examples: list[dict[str, str]] = []
+    # correct, reward (of the scored), samples, completion tokens, scored samples
+    totals = torch.zeros(5, dtype=torch.float64)
+    examples: list[dict[str, Any]] = []
     records: list[EpisodeRecord] = []
     for batch_index in range(num_batches):
         batch_ids = indices[batch_index * batch_size : (batch_index + 1) * batch_size]
@@ -129,7 +145,7 @@ def evaluate_heldout(
             texts = [episode.final_text for episode in episodes]
             model_tokens = sum(sum(episode.model_mask) for episode in episodes)
         else:
-            output = generate(
+            windowed = generate_in_window(
                 model,
                 encode_prompts(tokenizer, samples, enable_thinking=enable_thinking),
                 max_new_tokens=max_new_tokens,
@@ -140,21 +156,25 @@ def evaluate_heldout(
                 stop_tokens=tokenizer.stop_tokens,
                 sync_ranks=dist_info.is_distributed,
             )
+            output = windowed.output
             texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
-            results = reward(texts, samples)
+            results = score_in_window(
+                reward, ScoringBatch(samples, texts, output.completions), windowed.over_window
+            )
             model_tokens = float(output.completion_lengths.sum())
         if not batch_ids:
             continue
         if agent is not None:
             records += [episode.record for episode in episodes]
         totals[0] += sum(bool(r.correct) for r in results)
-        totals[1] += sum(r.score for r in results)
+        scores = [r.score for r in results if not math.isnan(r.score)]
+        totals[1] += sum(scores)
         totals[2] += len(results)
         totals[3] += model_tokens
-        for sample, text in zip(samples, texts, strict=True):
+        totals[4] += len(scores)
+        for sample, text, result in zip(samples, texts, results, strict=True):
             if len(examples) < num_examples:
-                question = sample["prompt"][-1]["content"]
-                examples.append({"prompt": question, "completion": text, "gold": sample["answer"]})
+                examples.append(_example(sample, text, result))
     all_reduce_sum(totals)
     count = max(int(totals[2]), 1)
     episode_stats: dict[str, float] = {}
@@ -164,7 +184,7 @@ def evaluate_heldout(
         episode_stats["tool_use_rate"] = float(all_reduce_sum(used)) / count
     return EvalResult(
         accuracy=float(totals[0]) / count,
-        reward_mean=float(totals[1]) / count,
+        reward_mean=float(totals[1]) / int(totals[4]) if totals[4] else math.nan,
         num_samples=int(totals[2]),
         mean_completion_tokens=float(totals[3]) / count,
         examples=examples,

@@ -33,6 +33,7 @@ from composer_tune.checkpointing.run_state import remove_checkpoints
 from composer_tune.distributed import all_reduce_sum, setup_distributed, teardown_distributed
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
 from composer_tune.models.hf_backend import mean_metrics, router_loss
+from composer_tune.rewards.functions import build_reward
 from composer_tune.run.loop import (
     LoopChores,
     MetricLog,
@@ -55,7 +56,9 @@ from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
 class SFTConfig(config.TrainingConfig):
     dataset: Any = MISSING  # training examples in the sample convention (prompt + target)
     eval_dataset: Any = None  # held-out examples; null skips evaluation
-    eval_reward: Any = None  # verifiable reward that decides held-out correctness
+    # The reward that decides held-out correctness: as the RL recipes' ``reward`` (a project
+    # reward's _component_, or TRL reward functions by dotted path).
+    eval_reward: Any = None
     batch_size: int = 16
     # Batches per optimiser step (the RL recipes accumulate over micro_batch_size rows instead).
     gradient_accumulation_steps: int = 1
@@ -78,7 +81,7 @@ class SFTRecipe:
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.dataloader = self._setup_data(cfg)
         self.eval_dataset = self._build_dataset(cfg, "eval_dataset")
-        self.eval_reward = config.instantiate(cfg.eval_reward) if cfg.eval_reward else None
+        self.eval_reward = build_reward(cfg.eval_reward) if cfg.eval_reward else None
         if self.eval_dataset is not None and self.eval_reward is None:
             raise ValueError("eval_dataset is set but eval_reward is not: nothing to score with")
         # Stale staging, the checkpoint to resume, the run's identity (refusing another run's).

@@ -32,11 +32,18 @@ class RecipeRun:
         return read_metrics(self.output_dir / "logs")
 
 
+def checkout_env(cwd: Path = REPO_ROOT) -> dict[str, str]:
+    """This process's environment for a recipe subprocess run in ``cwd``: it imports the
+    checkout there, whatever checkout the venv installed (a git worktree's tests test its own
+    code), and nothing else from this process's ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": str(cwd)}
+
+
 def run_tune(
     *args: str, cwd: Path = REPO_ROOT, timeout: float = 1800
 ) -> subprocess.CompletedProcess:
-    """`tune run ...` from the repo root, as a user types it."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    """`tune run ...` from the repo root, as a user types it (:func:`checkout_env`)."""
+    env = checkout_env(cwd)
     env["PYTHONUNBUFFERED"] = "1"
     # A process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack, so
     # a rare multi-process crash under load names where each thread was.
@@ -59,7 +66,7 @@ def run_torchrun(
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *args,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**checkout_env(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done

@@ -33,7 +33,7 @@ from composer_tune.checkpointing.run_state import (
 from composer_tune.distributed import DistInfo
 from composer_tune.guards import NonFiniteGuard, NonFiniteStepError
 from composer_tune.models import qwen3_tiny
-from tests.recipe_runs import REPO_ROOT, TUNE, run_recipe, run_tune
+from tests.recipe_runs import REPO_ROOT, TUNE, checkout_env, run_recipe, run_tune
 
 NAN, INF = math.nan, math.inf
 SINGLE = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
@@ -211,7 +211,7 @@ def _kill_when_paused(process: subprocess.Popen, ready_file: Path, timeout: floa
 def test_sft_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     common = (*QUICK_SFT, "max_steps=6")
     killed_dir, ready = tmp_path / "killed", tmp_path / "paused"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = checkout_env()
     env[PAUSE_IN_SAVE_ENV] = f"4:{ready}"  # hold the save of step 4 before it is renamed
     process = subprocess.Popen(
         [TUNE, "run", "recipes/sft.py", "--config", "cpu_smoke", f"output_dir={killed_dir}"]

@@ -20,7 +20,6 @@ Every run starts from the session's SFT warm start (``sft_warm_start`` in confte
 """
 
 import math
-import os
 import re
 import shutil
 import signal
@@ -46,7 +45,7 @@ from composer_tune.models import qwen3_tiny
 from composer_tune.run.loop import TIMING_METRICS, check_rl_batch_layout
 from recipes.composer_full import ComposerFullConfig
 from recipes.diloco import DiLoCoRecipe, DiLoCoRecipeConfig
-from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe
+from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, checkout_env, run_recipe
 
 SYNC_EVERY = 2
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # cpu_smoke's outer optimizer (the DiLoCo paper's)
@@ -99,7 +98,7 @@ def launch(output_dir: Path, sft: RecipeRun, *overrides: str, replicas: int = 2)
     command += [
         f"output_dir={output_dir}", *warm_start_from(sft), *QUICK, *overrides,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = checkout_env()
     # Two replicas share 2 cores; one thread each also keeps the runs bit-reproducible.
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
@@ -549,7 +548,7 @@ def test_ctrl_c_stops_every_replica_after_one_sync_and_latest_finishes_the_run(
         f"output_dir={tmp_path}", *warm_start_from(sft_warm_start), *QUICK,
         f"max_steps={3 * SYNC_EVERY}", "checkpoint.save_every_n_steps=0",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = checkout_env()
     env["OMP_NUM_THREADS"] = "1"
     launcher = subprocess.Popen(
         command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -19,7 +19,7 @@ from composer_tune.checkpointing.run_state import latest_checkpoint
 from composer_tune.distributed import DistInfo
 from composer_tune.run.loop import TIMING_METRICS
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
-from tests.recipe_runs import REPO_ROOT, TUNE, run_recipe, run_tune
+from tests.recipe_runs import REPO_ROOT, TUNE, checkout_env, run_recipe, run_tune
 
 # Random weights and a reward random completions earn about half the time: fast steps.
 COMMON = (
@@ -63,7 +63,7 @@ def _interrupt_when_logged(
     a terminal's SIGINT disposition: a shell's background job, e.g. CI, ignores SIGINT), sends
     SIGINT to the whole group once ``log_dir`` logs ``step``; returns (exit status, stdout,
     stderr)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = checkout_env()
     env["PYTHONUNBUFFERED"] = "1"
     out, err = tmp_path / "stop.out", tmp_path / "stop.err"
     with out.open("w") as stdout, err.open("w") as stderr:

@@ -19,7 +19,7 @@ from composer_tune.analysis.metrics_log import parse_metric_lines
 from composer_tune.checkpointing.run_state import PAUSE_IN_SAVE_ENV, latest_checkpoint
 from composer_tune.run.loop import TIMING_METRICS
 from recipes.grpo import GRPOConfig, GRPORecipe
-from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, run_recipe, run_tune
+from tests.recipe_runs import REPO_ROOT, TUNE, RecipeRun, checkout_env, run_recipe, run_tune
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +194,7 @@ def test_kill_and_resume_logs_the_same_metrics(sft_warm_start: RecipeRun, tmp_pa
     # Deterministic kill: the save of step 4 pauses inside its staging folder (a test hook of
     # run_state) and announces it; SIGKILL lands there, so step 2 is the newest complete one.
     ready = tmp_path / "paused_in_save"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = checkout_env()
     env[PAUSE_IN_SAVE_ENV] = f"4:{ready}"
     process = subprocess.Popen(
         [TUNE, "run", "recipes/grpo.py", "--config", "cpu_smoke", f"output_dir={killed_dir}"]

@@ -98,6 +98,7 @@ from composer_tune import config  # noqa: E402
 from composer_tune.checkpointing.hf_checkpoint import hf_to_decoder_state_dict  # noqa: E402
 from composer_tune.distributed import setup_distributed  # noqa: E402
 from composer_tune.models.build import resolve_autocast  # noqa: E402
+from composer_tune.rewards.functions import RewardFunctions, ScoringBatch  # noqa: E402
 from composer_tune.rollout import encode_prompts  # noqa: E402
 from composer_tune.run.loop import (  # noqa: E402
     MetricLog,
@@ -186,21 +187,22 @@ def load_peer_config(args: argparse.Namespace, run_dir: Path) -> DictConfig:
     return cfg
 
 
-def reward_function(reward: Any) -> Callable[..., list[float]]:
-    """The project's ``reward`` as a TRL reward function: TRL passes the completions as chat
+def reward_function(reward: RewardFunctions) -> Callable[..., list[float]]:
+    """The run's ``reward`` as a TRL reward function: TRL passes the completions as chat
     messages and every other dataset column as a list (the samples' fields, rebuilt here)."""
 
-    def score(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-        columns.pop("completion_ids", None)
+    def score(
+        prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **columns: Any
+    ) -> list[float]:
         columns.pop("trainer_state", None)
         samples = [
             {"prompt": prompt, **{name: values[i] for name, values in columns.items()}}
             for i, prompt in enumerate(prompts)
         ]
         texts = [completion[-1]["content"] for completion in completions]
-        return [result.score for result in reward(texts, samples)]
+        return [r.score for r in reward.score(ScoringBatch(samples, texts, completion_ids))]
 
-    score.__name__ = type(reward).__name__  # TRL's metric name for it
+    score.__name__ = "_".join(reward.names)  # TRL's metric name for it
     return score
 
 

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from composer_tune.agents.tools import ParsedTurn, ToolCall, call_tool, parse_tool_calls
 from composer_tune.distributed import any_rank
 from composer_tune.rewards.base import RewardResult
+from composer_tune.rewards.functions import ScoringBatch, prompt_text, score_completions
 from composer_tune.rollout.generation import GenerationOutput, generate
+from composer_tune.rollout.window import min_over_ranks
 
 # (prompts, max_new_tokens) -> one completion per prompt, GenerationOutput with log-probs.
 Sampler = Callable[[list[list[int]], int], GenerationOutput]
@@ -50,9 +51,11 @@ class EpisodeRecord:
         feedback: the environment's text at ``error_turn``: the failing call's observation, or
             the reward's feedback on the final answer.
         truncated: None, or the limit the episode hit (``max_turns``, ``max_tokens_per_turn``,
-            ``max_episode_tokens``, ``max_seq_len``).
+            ``max_episode_tokens``, ``max_seq_len``: the model's window).
+        error: why the episode could not run (its environment's ``reset`` failed, or its prompt
+            alone fills the model's window); it is then unscored. None: it ran.
         conversation: the finished conversation (OpenAI messages) as the template renders it.
-        env_seconds / generation_seconds: time in the environment (reset, tools, reward) and
+        env_seconds / generation_seconds: time in the environment (reset, tools) and
             this episode's share of the batched generation calls.
     """
 
@@ -61,6 +64,7 @@ class EpisodeRecord:
     error_turn: int = 0
     feedback: str = ""
     truncated: str | None = None
+    error: str | None = None
     conversation: list[dict[str, Any]] = field(default_factory=list)
     env_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -77,7 +81,8 @@ class EpisodeRecord:
 @dataclass
 class Episode:
     """One episode's ids (prompt first), which of them the model sampled, their sampler
-    log-probs, its environment instance, final answer text and record."""
+    log-probs, its environment instance, its prompt messages (the ``reset`` text appended),
+    final answer text and record."""
 
     sample: Mapping[str, Any]
     environment: Any
@@ -88,8 +93,13 @@ class Episode:
     model_mask: list[bool]
     logprobs: list[float]
     record: EpisodeRecord
+    prompt_messages: list[dict[str, Any]] = field(default_factory=list)
     final_text: str = ""
     live: bool = True
+
+    def completion_messages(self) -> list[dict[str, Any]]:
+        """The assistant and tool messages after the prompt (TRL's ``completions`` entry)."""
+        return self.record.conversation[len(self.prompt_messages) :]
 
 
 @dataclass(frozen=True)
@@ -137,14 +147,6 @@ def make_sampler(
     return sample
 
 
-def _min_over_ranks(value: int, device: torch.device, sync_ranks: bool) -> int:
-    if not sync_ranks:
-        return value
-    tensor = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
-
-
 class EpisodeRunner:
     """Runs a batch of episodes for one tokenizer (the agent's template) and limits.
 
@@ -190,6 +192,13 @@ class EpisodeRunner:
         """Advance every episode to its end, in place: one batched generation per turn (under
         ``sync_ranks`` every rank runs equally many, with a throw-away row when it has none;
         ``device``, the model's, carries the agreement's collectives)."""
+        for episode in episodes:
+            if (
+                episode.live
+                and self.seq_limit is not None
+                and episode.prompt_length >= self.seq_limit
+            ):
+                self._refuse_overlong_prompt(episode)
         for turn in range(self.limits.max_turns):
             live = [episode for episode in episodes if episode.live]
             for episode in live:
@@ -202,7 +211,7 @@ class EpisodeRunner:
             budget = max((self._room(e) for e in live), default=self.limits.max_tokens_per_turn)
             if self.seq_limit is not None:
                 budget = min(budget, self.seq_limit - longest)
-            max_new = _min_over_ranks(max(budget, 1), device, sync_ranks)
+            max_new = min_over_ranks(max(budget, 1), device, sync_ranks)
             prompts = [e.ids for e in live] or [[self.tokenizer.pad_id]]
             started = time.perf_counter()
             output = sampler(prompts, max_new)
@@ -212,6 +221,19 @@ class EpisodeRunner:
                 self._take_turn(
                     episode, output.completions[row], output.logprobs[row].tolist(), turn
                 )
+
+    def _refuse_overlong_prompt(self, episode: Episode) -> None:
+        """A prompt that leaves the window no room to sample in: the episode ends before its
+        first turn, unscored, its row cut to fit the training forward (nothing of it is
+        trained: it has no model token)."""
+        limit = self.seq_limit - 1
+        episode.record.error = (
+            f"the prompt ({episode.prompt_length} tokens, with the tool schemas) fills the "
+            f"model's window ({self.seq_limit})"
+        )
+        episode.ids, episode.prompt_length = episode.ids[:limit], limit
+        episode.model_mask, episode.logprobs = episode.model_mask[:limit], episode.logprobs[:limit]
+        self._end(episode, "max_seq_len")
 
     def _rooms(self, episode: Episode) -> dict[str, float]:
         """Tokens the episode may still sample this turn, under each limit."""
@@ -331,30 +353,36 @@ def _assistant_message(parsed: ParsedTurn) -> dict[str, Any]:
 
 
 def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResult]:
-    """Each episode's reward, TRL's way: the recipe's reward on the final answer text plus,
-    when the environment defines ``get_reward()``, that value (weight 1; NaN parts are skipped
-    unless every part is NaN). Success is the reward's ``correct`` when it judges, else an
-    environment reward of at least 1. The record's feedback at a final-answer error turn is
-    the reward's feedback."""
-    results = reward([e.final_text for e in episodes], [e.sample for e in episodes])
+    """Each episode's reward, TRL's way (:class:`~composer_tune.rewards.functions.RewardFunctions`):
+    the reward functions see each episode's prompt (the ``reset`` text appended), its messages
+    after the prompt, its ids after the prompt, the dataset columns and the environments, and the
+    environment's ``get_reward()`` is one more part of weight 1. An episode that could not run
+    (``record.error``) is unscored. The record's feedback at a final-answer error turn is the
+    reward's feedback."""
+    batch = ScoringBatch(
+        samples=[e.sample for e in episodes],
+        texts=[e.final_text for e in episodes],
+        completion_ids=[e.ids[e.prompt_length :] for e in episodes],
+        prompts=[
+            prompt_text(e.sample) or [dict(message) for message in e.prompt_messages]
+            for e in episodes
+        ],
+        completions=[
+            e.final_text if prompt_text(e.sample) is not None else e.completion_messages()
+            for e in episodes
+        ],
+        # An episode that could not run has no environment state to score.
+        environments=(
+            [e.environment if e.record.error is None else None for e in episodes]
+            if any(e.environment is not None for e in episodes)
+            else None
+        ),
+    )
     scored: list[RewardResult] = []
-    for episode, result in zip(episodes, results, strict=True):
-        parts, correct = [result.score], result.correct
-        get_reward = getattr(episode.environment, "get_reward", None)
-        if get_reward is not None:
-            started = time.perf_counter()
-            try:
-                env_reward = float(get_reward())
-            except Exception as err:  # an environment that cannot score leaves the row unscored
-                env_reward = math.nan
-                result = RewardResult(result.score, result.correct, f"get_reward failed: {err}")
-            episode.record.env_seconds += time.perf_counter() - started
-            parts.append(env_reward)
-            if correct is None and not math.isnan(env_reward):
-                correct = env_reward >= 1.0
-        finite = [part for part in parts if not math.isnan(part)]
-        score = sum(finite) if finite else math.nan
-        if not any(call["error"] for call in episode.record.tool_calls):
+    for episode, result in zip(episodes, score_completions(reward, batch), strict=True):
+        if episode.record.error is not None:
+            result = RewardResult(math.nan, None, episode.record.error)
+        elif not any(call["error"] for call in episode.record.tool_calls):
             episode.record.feedback = result.feedback
-        scored.append(RewardResult(score, correct, result.feedback))
+        scored.append(result)
     return scored

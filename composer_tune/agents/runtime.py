@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,9 +37,11 @@ from composer_tune.agents.episodes import (
     make_sampler,
     score_episodes,
 )
-from composer_tune.agents.tools import environment_tools, resolve_path, tool_schemas
+from composer_tune.agents.tools import environment_tools, tool_schemas
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rollout.rollouts import RolloutBatch, _batched_logprobs
+from composer_tune.rollout.window import model_window
+from composer_tune.user_code import call_with_timeout, resolve_path
 
 _KEYS = {
     "environment",
@@ -84,12 +87,18 @@ class AgentRuntime:
         limits: turns, token budgets and the per-call tool timeout.
         tool_template: None (the tokenizer's chat template) or a template name/path for
             ``ChatTokenizer.with_chat_template``.
+        environment_schemas: each environment's tool schemas (from the instance probed at
+            set-up), for rendering prompts without starting an episode.
+        environment_reward: some environment defines ``get_reward()`` (then it is a reward, and
+            the only one when no reward function is configured: TRL's rule).
     """
 
     factories: dict[str | None, Callable[[], Any]] | None
     tools: list[Callable[..., Any]]
     limits: EpisodeLimits
     tool_template: str | None = None
+    environment_schemas: dict[str | None, list[dict[str, Any]]] = field(default_factory=dict)
+    environment_reward: bool = False
 
     def __post_init__(self) -> None:
         self._tokenizers: dict[int, Any] = {}
@@ -109,7 +118,9 @@ class AgentRuntime:
     ) -> list[Episode]:
         """One fresh episode per sample: a new environment instance, ``reset(**sample)`` (its
         string appended to the last user message, as TRL does), the tool schemas and the
-        prompt ids (chat template with the tools and the generation prompt)."""
+        prompt ids (chat template with the tools and the generation prompt). A ``reset`` that
+        raises or outlasts ``tool_timeout_s`` ends its episode before it starts (``record.error``;
+        unscored)."""
         episodes = []
         for sample in samples:
             environment, tools = None, list(self.tools)
@@ -120,12 +131,21 @@ class AgentRuntime:
                 reset_kwargs = dict(sample)
                 if None not in self.factories:  # the selector is control data, as in TRL
                     reset_kwargs.pop(ENVIRONMENT_KEY, None)
-                observation = environment.reset(**reset_kwargs)
-                if isinstance(observation, str):
+                started = time.perf_counter()
+                outcome = call_with_timeout(
+                    functools.partial(environment.reset, **reset_kwargs),
+                    self.limits.tool_timeout_s,
+                    name=f"{type(environment).__name__}.reset",
+                )
+                record.env_seconds += time.perf_counter() - started
+                if outcome.failure is not None:
+                    record.error = f"{type(environment).__name__}.reset {outcome.failure}"
+                    record.feedback = record.error
+                elif isinstance(outcome.value, str):
                     last = conversation[-1]
                     conversation[-1] = {
                         **last,
-                        "content": (last.get("content") or "") + observation,
+                        "content": (last.get("content") or "") + outcome.value,
                     }
                 tools += environment_tools(environment)
             schemas = tool_schemas(tools) or None
@@ -147,21 +167,43 @@ class AgentRuntime:
                     model_mask=[False] * len(ids),
                     logprobs=[0.0] * len(ids),
                     record=record,
+                    prompt_messages=[dict(message) for message in conversation],
+                    live=record.error is None,
                 )
             )
         return episodes
 
-    def _environment_for(self, sample: Mapping[str, Any]) -> Any:
+    def _environment_name(self, sample: Mapping[str, Any]) -> str | None:
         assert self.factories is not None
         if None in self.factories:
-            return self.factories[None]()
+            return None
         name = sample.get(ENVIRONMENT_KEY)
         if name not in self.factories:
             raise ValueError(
                 f"sample {sample.get('id', '')!r} has {ENVIRONMENT_KEY}={name!r}, not among the "
                 f"configured environments {sorted(self.factories)}"
             )
-        return self.factories[name]()
+        return name
+
+    def _environment_for(self, sample: Mapping[str, Any]) -> Any:
+        assert self.factories is not None
+        return self.factories[self._environment_name(sample)]()
+
+    def prompt_ids(
+        self, sample: Mapping[str, Any], tokenizer: Any, enable_thinking: bool
+    ) -> list[int]:
+        """The ids an episode of ``sample`` starts from, without starting one (no environment
+        is built or reset, so a ``reset`` text is not in them): the prompt with every tool
+        schema the episode would show, in the agent's template. ``tokenizer``: the recipe's."""
+        schemas = tool_schemas(self.tools)
+        if self.factories is not None:
+            schemas += self.environment_schemas[self._environment_name(sample)]
+        return self.tokenizer_for(tokenizer).tokenize_messages(
+            sample["prompt"],
+            tools=schemas or None,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )[0]
 
     def run(
         self,
@@ -183,11 +225,11 @@ class AgentRuntime:
         (the agent's template is applied here)."""
         tokenizer = self.tokenizer_for(tokenizer)
         episodes = self.start(samples, tokenizer, enable_thinking)
-        seq_limit = (
-            engine.max_model_len if engine is not None else getattr(policy, "max_seq_len", None)
-        )
         runner = EpisodeRunner(
-            tokenizer, self.limits, seq_limit=seq_limit, enable_thinking=enable_thinking
+            tokenizer,
+            self.limits,
+            seq_limit=model_window(policy, engine),
+            enable_thinking=enable_thinking,
         )
         sampler = make_sampler(
             policy,
@@ -251,6 +293,8 @@ def build_agent(section: DictConfig | Mapping[str, Any] | None) -> AgentRuntime 
     if not tools and factories is None:
         raise ValueError("agent: needs an environment, tools, or both")
     _check_schemas(tools, "agent.tools")
+    environment_schemas: dict[str | None, list[dict[str, Any]]] = {}
+    environment_reward = False
     for name, factory in (factories or {}).items():
         where = f"agent.environment{'.' + name if name else ''}"
         try:
@@ -260,6 +304,8 @@ def build_agent(section: DictConfig | Mapping[str, Any] | None) -> AgentRuntime 
         if not callable(getattr(probe, "reset", None)):
             raise ValueError(f"{where}: {type(probe).__name__} has no callable reset()")
         _check_schemas(environment_tools(probe), where)
+        environment_schemas[name] = tool_schemas(environment_tools(probe))
+        environment_reward |= callable(getattr(probe, "get_reward", None))
     limits = EpisodeLimits(
         max_turns=_positive_int(section, "max_turns", 4),
         max_tokens_per_turn=_positive_int(section, "max_tokens_per_turn", 128),
@@ -271,6 +317,8 @@ def build_agent(section: DictConfig | Mapping[str, Any] | None) -> AgentRuntime 
         tools=tools,
         limits=limits,
         tool_template=section.get("tool_template"),
+        environment_schemas=environment_schemas,
+        environment_reward=environment_reward,
     )
 
 
@@ -367,5 +415,8 @@ def collect_episodes(
         samples=row_samples,
         sampling_logp=sampling_logp.to(device),
         episodes=[e.record for e in episodes],
+        window_truncated=torch.tensor(
+            [e.record.truncated == "max_seq_len" for e in episodes], device=device
+        ),
         **RolloutBatch.scored(results, device),
     )

@@ -8,15 +8,17 @@ Hermes template teaches SmolLM2: ``<tool_call>{"name": ..., "arguments": {...}}<
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from transformers.utils import get_json_schema
+
+from composer_tune.user_code import call_with_timeout, resolve_path
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # An opened block the turn never closed (cut off, or the model forgot the tag).
@@ -86,16 +88,6 @@ def tool_schemas(tools: Sequence[Callable[..., Any]]) -> list[dict[str, Any]]:
     return [get_json_schema(tool) for tool in tools]
 
 
-def resolve_path(path: str, where: str) -> Any:
-    """The object at dotted ``path``, or a ValueError naming the config key ``where``."""
-    from torchtune.config._utils import _get_component_from_path
-
-    try:
-        return _get_component_from_path(path)
-    except Exception as err:  # torchtune raises InstantiationError / ImportError variants
-        raise ValueError(f"{where}: cannot import {path!r}: {err}") from err
-
-
 def schemas_of_paths(paths: Sequence[str], where: str) -> list[dict[str, Any]]:
     """Schemas of tool functions and of environment classes' tools (an instance built with no
     arguments, as TRL's factory is called), by dotted path, in order."""
@@ -123,8 +115,7 @@ def call_tool(
     """Run ``call`` and return ``(content, failed)``: the tool's result as TRL writes it
     (``str(result)``), or ``str({"error": ...})`` for a malformed call, an unknown tool, arguments
     the signature does not bind, an exception, or a call still running after ``timeout_s``
-    (abandoned on a daemon thread: Python cannot kill a thread, so a tool that may hang for good
-    should bound itself, as the sandboxed coding tools do)."""
+    (see :func:`call_with_timeout`). An async tool is awaited."""
     if call.error is not None:
         return str({"error": call.error}), True
     tool = tools.get(call.name)
@@ -134,19 +125,10 @@ def call_tool(
         inspect.signature(tool).bind(**call.arguments)
     except TypeError as err:
         return str({"error": f"{call.name}: {err}"}), True
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = tool(**call.arguments)
-        except Exception as err:  # any failure of a user tool is the model's observation
-            outcome["error"] = f"{type(err).__name__}: {err}"
-
-    worker = threading.Thread(target=run, name=f"tool-{call.name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return str({"error": f"{call.name} timed out after {timeout_s} s"}), True
-    if "error" in outcome:
-        return str({"error": outcome["error"]}), True
-    return str(outcome.get("result")), False
+    outcome = call_with_timeout(
+        functools.partial(tool, **call.arguments), timeout_s, name=f"tool-{call.name}"
+    )
+    if outcome.failure is not None:
+        prefix = f"{call.name} " if outcome.timed_out else ""
+        return str({"error": prefix + outcome.failure}), True
+    return str(outcome.value), False

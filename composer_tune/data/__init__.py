@@ -1,5 +1,7 @@
 """Data: what the recipes read and how it becomes tokens.
 
+- any task in TRL's dataset formats, from files, a ``save_to_disk`` folder or the Hugging Face
+  cache (``task_dataset``: ``TaskDataset``);
 - task datasets in the project's sample format, ``{"id", "prompt" (chat messages), "answer"
   (gold final answer), "target" (reference assistant response for SFT), "solution" (reference
   rationale or None)}``: GSM8K (``gsm8k``), seeded synthetic arithmetic (``synthetic``) and
@@ -13,5 +15,6 @@
 
 from composer_tune.data.gsm8k import GSM8K
 from composer_tune.data.synthetic import SyntheticArithmetic
+from composer_tune.data.task_dataset import TaskDataset
 
-__all__ = ["GSM8K", "SyntheticArithmetic"]
+__all__ = ["GSM8K", "SyntheticArithmetic", "TaskDataset"]

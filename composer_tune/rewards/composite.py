@@ -91,19 +91,29 @@ class CompositeReward:
                     f"CompositeReward: {type(reward).__name__} returned {len(results)} results "
                     f"for {len(completions)} completions"
                 )
-        combined = []
-        for results in zip(*per_component, strict=True):
-            verdicts = [result.correct for result in results if result.correct is not None]
-            scored = [
-                weight * result.score
-                for weight, result in zip(self.weights, results, strict=True)
-                if not math.isnan(result.score)
-            ]
-            combined.append(
-                RewardResult(
-                    score=sum(scored) if scored else math.nan,
-                    correct=all(verdicts) if verdicts else None,
-                    feedback=" ".join(result.feedback for result in results if result.feedback),
-                )
+        return combine_results(per_component, self.weights)
+
+
+def combine_results(
+    per_component: Sequence[Sequence[RewardResult]], weights: Sequence[float]
+) -> list[RewardResult]:
+    """Each row's weighted sum over the components that scored it (TRL 1.16's ``nansum`` over
+    reward functions; NaN only when every component returned NaN), success when every component
+    that judges says so (None when none does), and the components' non-empty feedback joined with
+    spaces, in component order. ``per_component[k][i]`` is component ``k``'s result for row ``i``."""
+    combined = []
+    for results in zip(*per_component, strict=True):
+        verdicts = [result.correct for result in results if result.correct is not None]
+        scored = [
+            weight * result.score
+            for weight, result in zip(weights, results, strict=True)
+            if not math.isnan(result.score)
+        ]
+        combined.append(
+            RewardResult(
+                score=sum(scored) if scored else math.nan,
+                correct=all(verdicts) if verdicts else None,
+                feedback=" ".join(result.feedback for result in results if result.feedback),
             )
-        return combined
+        )
+    return combined

@@ -32,9 +32,11 @@ from torch import Tensor, nn
 
 from composer_tune.distributed import all_reduce_sum
 from composer_tune.losses.logprobs import IGNORE_INDEX, logprob_head
-from composer_tune.rewards.base import Reward, RewardResult
-from composer_tune.rollout.generation import encode_prompts, generate, pack_sequences
+from composer_tune.rewards.base import RewardResult
+from composer_tune.rewards.functions import ScoringBatch
+from composer_tune.rollout.generation import encode_prompts, pack_sequences
 from composer_tune.rollout.shared_prefix import shared_prefix_logprobs
+from composer_tune.rollout.window import generate_in_window, model_window, score_in_window
 
 if TYPE_CHECKING:
     from composer_tune.agents.episodes import EpisodeRecord
@@ -57,7 +59,8 @@ class RolloutBatch:
         rewards: ``float32[N]`` reward scores.
         correct: ``bool[N]`` task success (False where the reward has no notion of it).
         feedback: the verifier's message per completion (for SDPO's teacher hints).
-        truncated: ``bool[N]`` the completion hit ``max_new_tokens`` without a stop token.
+        truncated: ``bool[N]`` the completion hit ``max_new_tokens`` (an episode: one of its
+            limits) without a stop token.
         prompt_lengths: ``long[N]`` prompt tokens per row.
         completion_lengths: ``long[N]`` completion tokens per row.
         group_ids: ``long[N]`` index of the row's prompt within this batch.
@@ -73,6 +76,9 @@ class RolloutBatch:
             :class:`~composer_tune.agents.EpisodeRecord` (turn spans, tool calls and errors,
             error turn and its feedback, timings); None for single-turn rollouts. The row's
             ``completion_mask`` then covers only the model's own turns, never tool output.
+        window_truncated: ``bool[N]`` the model's window (``max_seq_len``, a vLLM engine's
+            ``max_model_len``) stopped the row: it was cut there (and is ``truncated``), or its
+            prompt alone filled the window (no completion, unscored); None: never.
     """
 
     tokens: Tensor
@@ -92,6 +98,7 @@ class RolloutBatch:
     correct_known: Tensor | None = None
     sampling_logp: Tensor | None = None
     episodes: list[EpisodeRecord] | None = None
+    window_truncated: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -289,7 +296,7 @@ def collect_rollouts(
     policy: nn.Module,
     tokenizer: Any,
     samples: Sequence[Mapping[str, Any]],
-    reward: Reward,
+    reward: Any,
     *,
     group_size: int,
     max_new_tokens: int,
@@ -313,10 +320,13 @@ def collect_rollouts(
         tokenizer: a :class:`~composer_tune.data.tokenizer.ChatTokenizer`-like object
             (``tokenize_messages``, ``decode``, ``pad_id``, ``stop_tokens``).
         samples: dataset samples with a chat ``prompt`` and whatever the reward reads.
-        reward: scores the decoded completions against their samples.
+        reward: scores the completions (a ``RewardFunctions``, a project reward or a TRL
+            reward function; :func:`~composer_tune.rewards.functions.score_completions`).
         group_size: completions per prompt (G >= 1; GRPO needs G >= 2 for any advantage).
         max_new_tokens: completion length cap; rows that reach it without a stop token are
-            flagged ``truncated``.
+            flagged ``truncated``. It is cut to the room left in the model's window
+            (:func:`generate_in_window`); a prompt that fills the window gets no completion and
+            is unscored.
         temperature, top_k, top_p: sampling settings (``temperature > 0``).
         generator: source of sampling randomness (save its state to resume reproducibly).
         reference: frozen reference model; its log-probs fill ``ref_logp`` (None: no reference
@@ -355,26 +365,33 @@ def collect_rollouts(
     row_prompts = [prompt for prompt in prompts for _ in range(group_size)]
     row_samples = [sample for sample in samples for _ in range(group_size)]
     sampling = {
-        "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
         "top_p": top_p,
         "stop_tokens": tokenizer.stop_tokens,
         "generator": generator,
     }
-    if engine is not None:
-        output = engine.generate(row_prompts, **sampling)
-    else:
-        output = generate(
-            policy,
-            row_prompts,
-            pad_id=tokenizer.pad_id,
-            sync_ranks=sync_ranks,
-            return_logprobs=True,
-            **sampling,
-        )
+    windowed = generate_in_window(
+        policy,
+        row_prompts,
+        max_new_tokens=max_new_tokens,
+        pad_id=tokenizer.pad_id,
+        engine=engine,
+        sync_ranks=sync_ranks,
+        **sampling,
+    )
+    output = windowed.output
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output.completions]
-    results = reward(texts, row_samples)
+    results = score_in_window(
+        reward, ScoringBatch(row_samples, texts, output.completions), windowed.over_window
+    )
+    window = model_window(policy, engine)
+    # A prompt that filled the window keeps what the training forward can take (nothing of
+    # its row is trained: it has no completion).
+    row_prompts = [
+        prompt[: window - 1] if over else prompt
+        for prompt, over in zip(row_prompts, windowed.over_window, strict=True)
+    ]
 
     packed = pack_sequences(row_prompts, output.completions, tokenizer.pad_id)
     device = next(policy.parameters()).device
@@ -410,19 +427,15 @@ def collect_rollouts(
         completion_mask=completion_mask,
         old_logp=old_logp,
         ref_logp=ref_logp,
-        rewards=torch.tensor([r.score for r in results], dtype=torch.float32, device=device),
-        correct=torch.tensor([bool(r.correct) for r in results], dtype=torch.bool, device=device),
-        feedback=[r.feedback for r in results],
         truncated=output.truncated.to(device),
         prompt_lengths=prompt_lengths,
         completion_lengths=packed.completion_lengths.to(device),
         group_ids=group_ids,
         texts=texts,
         samples=row_samples,
-        correct_known=torch.tensor(
-            [r.correct is not None for r in results], dtype=torch.bool, device=device
-        ),
         sampling_logp=sampling_logp.to(device),
+        window_truncated=torch.tensor(windowed.window_truncated, device=device),
+        **RolloutBatch.scored(results, device),
     )
 
 
@@ -454,6 +467,7 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
             rollout.correct.double().sum(),
             lengths.sum(),
             rollout.truncated.double().sum(),
+            _window_truncated(rollout).double().sum(),
             torch.tensor(float(num_groups), dtype=torch.float64, device=rewards.device),
             (~(highest > lowest)).double().sum(),
             (correct_per_group == 0).double().sum(),
@@ -461,7 +475,7 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     )
     (
         count, num_scored, reward_sum, reward_sq, correct, length_sum, truncated,
-        group_count, zero_std_groups, no_correct_groups,
+        window_truncated, group_count, zero_std_groups, no_correct_groups,
     ) = all_reduce_sum(sums).tolist()  # fmt: skip
     mean = reward_sum / max(num_scored, 1.0)
     metrics = {
@@ -471,6 +485,7 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
         "accuracy": correct / count,
         "completion_length/mean": length_sum / count,
         "truncation_rate": truncated / count,
+        "window_truncation_rate": window_truncated / count,
         "groups/zero_reward_std": zero_std_groups / max(group_count, 1.0),
         "groups/no_correct": no_correct_groups / max(group_count, 1.0),
     }
@@ -480,10 +495,27 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
+def _window_truncated(rollout: RolloutBatch) -> Tensor:
+    """``bool[N]``: the rows the model's window stopped (none when the batch does not say)."""
+    flags = getattr(rollout, "window_truncated", None)  # duck-typed batches may lack the field
+    return flags if flags is not None else torch.zeros_like(rollout.truncated, dtype=torch.bool)
+
+
 def episode_metrics(records: Sequence[EpisodeRecord], prefix: str, device: Any) -> dict[str, float]:
     """Per-episode means over every rank (collective): turns, tool calls, tool errors, the
-    truncated share, and seconds in the environment vs in generation."""
-    names = ("turns", "tool_calls", "tool_errors", "truncated", "env_seconds", "generation_seconds")
+    truncated share, the share the model's window stopped (``window_truncated``), the share that
+    could not run (``errors``: a failed ``reset``, a prompt filling the window), and seconds in the
+    environment vs in generation."""
+    names = (
+        "turns",
+        "tool_calls",
+        "tool_errors",
+        "truncated",
+        "window_truncated",
+        "errors",
+        "env_seconds",
+        "generation_seconds",
+    )
     sums = torch.tensor(
         [
             float(len(records)),
@@ -491,6 +523,8 @@ def episode_metrics(records: Sequence[EpisodeRecord], prefix: str, device: Any) 
             sum(len(r.tool_calls) for r in records),
             sum(r.tool_errors for r in records),
             sum(r.truncated is not None for r in records),
+            sum(r.truncated == "max_seq_len" for r in records),
+            sum(r.error is not None for r in records),
             sum(r.env_seconds for r in records),
             sum(r.generation_seconds for r in records),
         ],

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -48,8 +48,12 @@ from composer_tune.evaluation import EvalResult, evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.models.build import build_decoder
 from composer_tune.progress import progress_postfix
+from composer_tune.rewards.functions import RewardFunctions, build_reward
 from composer_tune.run.state import RunProgress
 from composer_tune.stop import StopRequest, print_stopped
+
+if TYPE_CHECKING:
+    from composer_tune.agents import AgentRuntime
 
 # Metrics that measure the machine rather than the run: they differ between identical runs.
 TIMING_METRICS = ("tokens_per_second", "peak_memory_gib", "peak_rss_gib")
@@ -179,24 +183,36 @@ class MetricLog:
 
 @dataclass
 class PromptTask:
-    """An RL run's task: the training prompts (``loader``, ``sampler``), the verifiable reward,
-    and the held-out set with its reward (``eval_dataset`` None: no evaluation)."""
+    """An RL run's task: the training prompts (``loader``, ``sampler``), the reward, and the
+    held-out set with its reward (``eval_dataset`` None: no evaluation)."""
 
     loader: DataLoader
     sampler: DistributedSampler
-    reward: Any
+    reward: RewardFunctions
     eval_dataset: Any
-    eval_reward: Any
+    eval_reward: RewardFunctions
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
 
     @classmethod
     def from_config(
-        cls, cfg: DictConfig, dist: DistInfo, *, replicas: int = 1, replica_id: int = 0
+        cls,
+        cfg: DictConfig,
+        dist: DistInfo,
+        *,
+        agent: AgentRuntime | None = None,
+        replicas: int = 1,
+        replica_id: int = 0,
     ) -> PromptTask:
         """``cfg.dataset``'s prompts, ``num_prompts_per_generation / ranks`` per batch on each
         rank, shuffled per epoch from ``cfg.seed`` (with DiLoCo ``replicas``, every rank of
-        every replica takes a disjoint shard); ``cfg.reward``; ``cfg.eval_dataset`` scored by
-        ``cfg.eval_reward`` (null: the training reward). Samples stay dicts: the rollout
-        engine renders the prompts and the reward reads the rest."""
+        every replica takes a disjoint shard); ``cfg.reward`` (``build_reward``: TRL reward
+        functions, the project's rewards, or null for the ``agent``'s environment reward);
+        ``cfg.eval_dataset`` scored by ``cfg.eval_reward`` (null: the training reward). Samples
+        stay dicts: the rollout engine renders the prompts and the reward reads the rest. The
+        rewards are checked against the datasets' columns here, before any rollout."""
         dataset = config.instantiate(cfg.dataset)
         prompts_per_rank = cfg.num_prompts_per_generation // dist.world_size
         shards = replicas * dist.world_size
@@ -217,13 +233,27 @@ class PromptTask:
         loader = DataLoader(
             dataset, batch_size=prompts_per_rank, sampler=sampler, drop_last=True, collate_fn=list
         )
-        reward = config.instantiate(cfg.reward)
+        eval_dataset = config.instantiate(cfg.eval_dataset) if cfg.eval_dataset else None
+        if eval_dataset is not None and len(eval_dataset) == 0:
+            raise ValueError(f"eval_dataset {cfg.eval_dataset._component_} holds no samples")
+        environment = {
+            "environments": agent is not None and agent.factories is not None,
+            "environment_reward": agent is not None and agent.environment_reward,
+        }
+        reward = build_reward(cfg.reward, where="reward")
+        reward.check(dataset[0].keys(), **environment, where="reward")
+        eval_reward = reward
+        if cfg.eval_reward is not None:
+            eval_reward = build_reward(cfg.eval_reward, where="eval_reward")
+        if eval_dataset is not None:
+            key = "eval_reward" if cfg.eval_reward is not None else "reward"
+            eval_reward.check(eval_dataset[0].keys(), **environment, where=key)
         return cls(
             loader=loader,
             sampler=sampler,
             reward=reward,
-            eval_dataset=config.instantiate(cfg.eval_dataset) if cfg.eval_dataset else None,
-            eval_reward=config.instantiate(cfg.eval_reward) if cfg.eval_reward else reward,
+            eval_dataset=eval_dataset,
+            eval_reward=eval_reward,
         )
 
 

@@ -26,6 +26,7 @@ from composer_tune.distributed import DistInfo, teardown_distributed
 from composer_tune.evaluation import EvalResult
 from composer_tune.rollout.engines import build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.run.lengths import check_prompt_lengths
 from composer_tune.run.loop import (
     LoopChores,
     MetricLog,
@@ -61,7 +62,8 @@ class RLRun:
     Attributes:
         agent (None: single-turn rollouts), tokenizer, model (the policy, from the checkpoint
         to resume or ``initial``), optimizer,
-        lr_scheduler, task (prompts, reward, held-out set), progress (the resumable state),
+        lr_scheduler, task (prompts, reward, held-out set; checked against the model's window
+        at set-up), progress (the resumable state),
         initial (the starting checkpoint: a warm start's, ``checkpoint.initial_checkpoint`` or
         None), current (the checkpoint the policy was loaded from), resumed, identity; and, after
         :meth:`finish_setup`, engine and metric_log.
@@ -87,11 +89,18 @@ class RLRun:
         self._start = start_run(cfg, dist, schema=schema, continuing=continuing)
         self.identity = self._start.identity
         self.resumed = self._start.resume_path is not None
+        # The task (prompts, rewards, held-out set) and whether it fits the model's window,
+        # before a warm start trains or any weight is read.
+        self.task = PromptTask.from_config(
+            cfg, dist, agent=self.agent, replicas=replicas, replica_id=replica_id
+        )
+        check_prompt_lengths(
+            cfg, self.tokenizer, self.task.dataset, self.task.eval_dataset, self.agent
+        )
         self.initial = initial_checkpoint(cfg.warm_start, cfg.checkpoint.initial_checkpoint, dist)
         self.current = self._start.resume_path or self.initial
         self.model = build_model(cfg, dist, self.current)
         self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
-        self.task = PromptTask.from_config(cfg, dist, replicas=replicas, replica_id=replica_id)
         self.progress = RunProgress(
             guard=build_guard(cfg, dist),
             sampling_generator=build_sampling_generator(

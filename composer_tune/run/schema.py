@@ -25,10 +25,15 @@ __all__ = ["DPOChannelConfig", "RLRecipeConfig", "SDPOChannelConfig"]
 
 @dataclass
 class RLRecipeConfig(TrainingConfig):
-    dataset: Any = MISSING  # training prompts in the sample convention (prompt + answer)
-    reward: Any = MISSING  # verifiable reward scoring the sampled completions
+    # Training prompts: a ``prompt`` (chat messages, or TRL's standard string) and any columns
+    # the reward and environment read (composer_tune.data.TaskDataset reads files / the HF cache).
+    dataset: Any = MISSING
+    # The reward (composer_tune.rewards.functions.build_reward): TRL reward functions by dotted
+    # path (a list, or a RewardFunctions node with reward_weights and success_threshold), the
+    # project's rewards (_component_), or null: the agent environment's get_reward() alone.
+    reward: Any = None
     eval_dataset: Any = None  # held-out prompts; null skips evaluation
-    eval_reward: Any = None  # null: the training reward decides held-out correctness
+    eval_reward: Any = None  # null: the training reward (and environment) decide success
     # The supervised run to start from; trained first if it has no checkpoint. Mutually
     # exclusive with checkpoint.initial_checkpoint.
     warm_start: WarmStartSection | None = None
