@@ -162,7 +162,7 @@ HACKS: dict[str, tuple[str, bool]] = {
                         try: _harvest(open(os.path.join(directory, name), "rb").read(2**20))
                         except OSError: pass
         """,
-        False,
+        True,  # the single-process harness's own program file holds the tests
     ),
     "patch_exec_compile_and_assertion": (
         """

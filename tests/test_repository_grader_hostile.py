@@ -703,3 +703,30 @@ def test_the_hacks_beat_a_naive_in_process_grader(
     stub = world["base"] / "stub_only"
     _hack_tree(stub, {"minilib/core.py": STUB}, world["original"], world["installed"])
     assert _naive_passed(stub, world["tests"], tmp_path) == 0  # the control can fail
+
+
+def test_submodules_and_star_imports_resolve_to_the_solution(world: dict[str, Path]) -> None:
+    tests_tree = world["base"] / "import_tests"
+    _write_tree(
+        tests_tree,
+        {
+            "tests/test_imports.py": (
+                "import minilib.core\n"
+                "from minilib import core\n"
+                "from minilib.core import *  # noqa: F403\n"
+                "def test_submodules():\n"
+                "    assert minilib.core is core\n"
+                '    assert slugify("A b") == core.slugify("A b") == "a-b"  # noqa: F405\n'
+                '    assert minilib.core.parse_duration("2m") == 120\n'
+            )
+        },
+    )
+    result = grade_repository(
+        world["original"],
+        tests_tree=tests_tree,
+        import_root="",
+        packages=["minilib"],
+        node_ids=["tests/test_imports.py::test_submodules"],
+        limits=LIMITS,
+    )
+    assert result.all_passed, result.feedback

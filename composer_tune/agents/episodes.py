@@ -335,7 +335,8 @@ def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResul
     when the environment defines ``get_reward()``, that value (weight 1; NaN parts are skipped
     unless every part is NaN). Success is the reward's ``correct`` when it judges, else an
     environment reward of at least 1. The record's feedback at a final-answer error turn is
-    the reward's feedback."""
+    the reward's feedback, or else the environment's ``reward_feedback`` string (set by its
+    ``get_reward()``, e.g. the repository environment's failing hidden test)."""
     results = reward([e.final_text for e in episodes], [e.sample for e in episodes])
     scored: list[RewardResult] = []
     for episode, result in zip(episodes, results, strict=True):
@@ -350,6 +351,11 @@ def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResul
                 result = RewardResult(result.score, result.correct, f"get_reward failed: {err}")
             episode.record.env_seconds += time.perf_counter() - started
             parts.append(env_reward)
+            # Optional, beyond TRL's contract: the environment's own verdict text (e.g. the
+            # failing hidden test) when the recipe reward has none, as the episode's feedback.
+            env_feedback = getattr(episode.environment, "reward_feedback", "")
+            if isinstance(env_feedback, str) and env_feedback and not result.feedback:
+                result = RewardResult(result.score, result.correct, env_feedback)
             if correct is None and not math.isnan(env_reward):
                 correct = env_reward >= 1.0
         finite = [part for part in parts if not math.isnan(part)]

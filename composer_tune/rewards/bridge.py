@@ -385,10 +385,14 @@ class ProxyModule(types.ModuleType):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}") from None
 
     def __setattr__(self, name: str, value) -> None:
-        if name.startswith("__") or name.startswith("_bridge"):
+        endpoint = self.__dict__["_bridge_endpoint"]
+        # Dunders, and the import system binding an imported submodule to its parent, stay here.
+        submodule = (
+            isinstance(value, ProxyModule) and value.__dict__["_bridge_endpoint"] is endpoint
+        )
+        if name.startswith("__") or name.startswith("_bridge") or submodule:
             super().__setattr__(name, value)
             return
-        endpoint = self.__dict__["_bridge_endpoint"]
         endpoint.request(
             {
                 "op": "setmodattr",
@@ -587,9 +591,10 @@ class Endpoint:
         if not self.serves_all and isinstance(value, types.BuiltinFunctionType):
             if getattr(builtins, value.__name__, None) is value:
                 return {"t": "builtin", "v": value.__name__}  # the grader's len, sorted ...
-        if isinstance(value, types.ModuleType) and not isinstance(value, ProxyModule):
-            if self.serves_all:
-                return {"t": "module", "v": value.__name__}
+        if isinstance(value, ProxyModule) and value.__dict__["_bridge_endpoint"] is self:
+            return {"t": "module", "v": value.__name__}  # the solution's own module
+        if isinstance(value, types.ModuleType) and self.serves_all:
+            return {"t": "module", "v": value.__name__}
         return self._encode_ref(value)
 
     def _with_origin(self, value, encoded: object) -> object:
@@ -771,8 +776,12 @@ class Endpoint:
             raise BridgeError(f"builtin {value!r} may not cross the bridge")
         if tag == "yours":
             return self._exported(value)
-        if tag == "module" and type(value) is str and not self.serves_all:
-            return self.module(value)
+        if tag == "module" and type(value) is str:
+            if not self.serves_all:
+                return self.module(value)
+            if value in sys.modules:
+                return sys.modules[value]
+            raise BridgeError(f"module {value!r} is not imported here")
         if tag == "ref" and type(value) is int:
             return self._proxy(value, data.get("c"))
         if tag == "method" and type(value) is int and type(data.get("n")) is str:
