@@ -10,7 +10,7 @@ chosen and validated: composer_tune/data/feature_generator.py; the format:
 composer_tune/data/feature_tasks.py; README "Feature-deletion tasks".
 
 A repository's tasks replace its earlier ones in tasks.jsonl; counts.json holds, per source,
-the baseline tests, the candidates tried, the tasks kept and why the others were rejected.
+the baseline tests, the candidates found, the tasks kept and why the others were rejected.
 Files are written beside their final names and renamed, so an interrupted run keeps the old
 store.
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tasks", type=int, default=20, help="tasks kept per repository")
     parser.add_argument(
-        "--max-candidates", type=int, default=400, help="candidates tried per repository"
+        "--max-candidates", type=int, default=400, help="candidates considered per repository"
     )
     parser.add_argument("--workers", type=int, default=2, help="candidates tried at once")
     parser.add_argument(

@@ -8,7 +8,7 @@ made by ``tools/make_feature_tasks.py`` (``composer_tune.data.feature_generator`
 Store layout (each source once, tasks as small edits of it)::
 
     <store>/tasks.jsonl                one task per line (see FeatureTask)
-    <store>/counts.json                per source repository: candidates tried, tasks kept
+    <store>/counts.json                per source repository: candidates found, tasks kept
     <store>/sources/<repo>.tar.gz      the original repository, filtered (no caches, no VCS)
     <store>/sources/<repo>.LICENSE     its licence, kept beside it
 

@@ -145,7 +145,9 @@ def grade_repository(
         try:
             left_out = scrubbed_copy(Path(tree), copy)
         except TreeTooLarge as error:
-            return HiddenTestsResult(0, len(node_ids), dict.fromkeys(node_ids, "missing"), str(error))
+            return HiddenTestsResult(
+                0, len(node_ids), dict.fromkeys(node_ids, "missing"), str(error)
+            )
         jailed = private_root_available()
         repo = REPO_TARGET if jailed else str(copy)
         tests = TESTS_TARGET if jailed else str(tests_tree)

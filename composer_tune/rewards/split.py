@@ -105,7 +105,15 @@ def parse_report(stdout: str, nonce: str) -> dict | None:
     return None
 
 
-_RUNTIME_DISTRIBUTIONS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments", "exceptiongroup", "tomli")
+_RUNTIME_DISTRIBUTIONS = (
+    "pytest",
+    "pluggy",
+    "iniconfig",
+    "packaging",
+    "pygments",
+    "exceptiongroup",
+    "tomli",
+)
 _runtime_lock = threading.Lock()
 _runtime: Path | None = None
 
