@@ -15,7 +15,8 @@ import pathlib
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -106,12 +107,18 @@ def bridge():
         datetime.timedelta(days=-1, seconds=5),
         decimal.Decimal("1.10"),
         fractions.Fraction(3, 7),
+        {"b": 1, "a": 2}.keys(),
+        {"b": 1, "a": 2}.items(),
+        deque([1, "x"]),
+        SimpleNamespace(x=1, y=[2]),
     ],
 )
 def test_plain_values_cross_with_their_exact_type(bridge, value) -> None:
     grader, names, _ = bridge
     back = names["echo"](value)
     assert back == value and type(back) is type(value)
+    if isinstance(value, type({}.keys())):
+        assert list(back) == list(value)  # order kept, set semantics too
 
 
 def test_nan_and_builtin_subclasses(bridge) -> None:

@@ -132,6 +132,18 @@ class TestCounter(unittest.TestCase):
 }
 
 
+def _make_feature_tasks(*args: str) -> subprocess.CompletedProcess:
+    """tools/make_feature_tasks.py with ``args``; fails the test unless it exits 0."""
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return done
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for relative, text in files.items():
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -149,19 +161,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def generated(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     """The tool run on the folder: (store, its tasks by qualname, its counts, its output)."""
     store = tmp_path_factory.mktemp("store")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tools" / "make_feature_tasks.py"),
-            str(tiny),
-            "--store",
-            str(store),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    done = _make_feature_tasks(str(tiny), "--store", str(store))
     tasks = {task.feature.qualname: task for task in load_feature_tasks(store)}
     counts = json.loads((store / COUNTS_FILE).read_text())["tinylib-0.1"]
     return store, tasks, counts, done.stdout
@@ -363,19 +363,16 @@ def test_regenerating_a_shipped_source_reproduces_its_tasks(tmp_path: Path) -> N
     store = tmp_path / "store"
     (store / "sources").mkdir(parents=True)
     shutil.copy(archive_path(SHIPPED, repo), archive_path(store, repo))
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tools" / "make_feature_tasks.py"),
-            "--regenerate",
-            "--store",
-            str(store),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    _make_feature_tasks("--regenerate", "--store", str(store))
     shipped = [t.to_json() for t in load_feature_tasks(SHIPPED) if t.repo == repo]
     assert [t.to_json() for t in load_feature_tasks(store)] == shipped
     assert archive_path(store, repo).read_bytes() == archive_path(SHIPPED, repo).read_bytes()
+
+
+@pytest.mark.slow  # grades all 52 shipped tasks twice (about 3 minutes on 2 cores)
+def test_every_shipped_task_validates_under_the_current_grader() -> None:
+    done = _make_feature_tasks("--check", "--store", str(SHIPPED))
+    assert (
+        f"{len(load_feature_tasks(SHIPPED))} of {len(load_feature_tasks(SHIPPED))} tasks validate"
+        in done.stdout
+    )

@@ -113,6 +113,11 @@ def test_tools_refuse_paths_outside_and_bad_edits(sample: dict, tmp_path: Path) 
         assert failed and "outside the repository" in content
     content, failed = _call(environment, "write_file", path="root_link/tmp/x", content="x")
     assert failed and "outside the repository" in content
+    # A FIFO would block the trainer's tool thread: neither read nor written.
+    made, _ = _call(environment, "run_command", command="mkfifo pipe")
+    for name, arguments in [("read_file", {}), ("write_file", {"content": "x"})]:
+        content, failed = _call(environment, name, path="pipe", **arguments)
+        assert failed and ("not a regular file" in content or "no such file" in content)
 
 
 def test_reward_feedback_and_fresh_copies(sample: dict) -> None:

@@ -14,15 +14,21 @@ the baseline tests, the candidates found, the tasks kept and why the others were
 Files are written beside their final names and renamed, so an interrupted run keeps the old
 store.
 
+--check validates every stored task again instead (after a change to the grader, say): its
+hidden tests must all pass on the original and all fail on the agent's tree, through the split
+grader; it prints one line per task and exits 1 if any task fails.
+
 Examples:
     python tools/make_feature_tasks.py pypi:inflection==0.5.1 --store tests/assets/feature_tasks
     python tools/make_feature_tasks.py ~/src/myproject --name myproject-1.0 --store my_tasks
     python tools/make_feature_tasks.py --regenerate --store tests/assets/feature_tasks
+    python tools/make_feature_tasks.py --check --store tests/assets/feature_tasks
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -35,6 +41,7 @@ import tarfile
 import tempfile
 import zipfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Runnable as a script from a checkout without installing the package.
@@ -50,12 +57,18 @@ from composer_tune.data.feature_generator import (  # noqa: E402
 from composer_tune.data.feature_tasks import (  # noqa: E402
     COUNTS_FILE,
     TASKS_FILE,
+    FeatureTask,
+    FeatureTaskError,
     archive_path,
     extract_archive,
     license_path,
+    load_feature_tasks,
+    materialize_agent_tree,
+    materialize_tests_tree,
     parse_task,
     write_archive,
 )
+from composer_tune.rewards.repository import grade_repository  # noqa: E402
 
 _LICENSE_NAMES = re.compile(r"^(LICEN[CS]E|COPYING)(\.(txt|md|rst))?$", re.IGNORECASE)
 _COPYLEFT = re.compile(r"GNU (AFFERO |LESSER )?GENERAL PUBLIC|Mozilla Public License", re.I)
@@ -84,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--regenerate",
         action="store_true",
         help="make every stored source's tasks again from its archive (no download)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="validate the stored tasks again, then exit"
     )
     parser.add_argument("--max-tasks", type=int, default=20, help="tasks kept per repository")
     parser.add_argument(
@@ -230,10 +246,48 @@ def make_repo(
     return [json.loads(task.to_json()) for task in report.tasks], counts
 
 
+def check_store(store: Path, settings: GenerationSettings) -> int:
+    """Grade every stored task's original and agent trees; the number of tasks that fail."""
+    tasks = load_feature_tasks(store)
+    with tempfile.TemporaryDirectory(prefix="composer-featurecheck-") as scratch:
+        scratch = Path(scratch)
+        tests_trees: dict[str, Path] = {}
+        for task in tasks:
+            if task.repo not in tests_trees:
+                tests_trees[task.repo] = scratch / "tests" / task.repo
+                materialize_tests_tree(store, task, tests_trees[task.repo])
+
+        def check(index_task: tuple[int, FeatureTask]) -> str:
+            index, task = index_task
+            original, agent = scratch / f"original{index}", scratch / f"agent{index}"
+            extract_archive(archive_path(store, task.repo), original, task.source_sha256)
+            materialize_agent_tree(store, task, agent)
+            grade = functools.partial(
+                grade_repository,
+                tests_tree=tests_trees[task.repo],
+                import_root=task.import_root,
+                packages=task.packages,
+                node_ids=task.hidden_tests,
+                limits=settings.grade_limits,
+            )
+            passed, left = grade(original).passed, grade(agent).passed
+            total = len(task.hidden_tests)
+            verdict = "ok" if (passed, left) == (total, 0) else "FAILED"
+            return f"{verdict} {task.id}: original {passed}/{total}, agent's tree {left}/{total}"
+
+        with ThreadPoolExecutor(max_workers=settings.workers) as pool:
+            lines = list(pool.map(check, enumerate(tasks)))
+    for line in lines:
+        print(line)
+    failed = sum(line.startswith("FAILED") for line in lines)
+    print(f"{store}: {len(tasks) - failed} of {len(tasks)} tasks validate")
+    return failed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.sources and not args.regenerate:
-        print("error: give SOURCE arguments or --regenerate", file=sys.stderr)
+    if not args.sources and not args.regenerate and not args.check:
+        print("error: give SOURCE arguments, --regenerate or --check", file=sys.stderr)
         return 2
     if args.name and len(args.sources) != 1:
         print("error: --name needs exactly one SOURCE", file=sys.stderr)
@@ -245,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tasks=args.max_tasks, max_candidates=args.max_candidates, workers=args.workers
     )
     store: Path = args.store
+    if args.check:
+        try:
+            return 1 if check_store(store, settings) else 0
+        except FeatureTaskError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     try:
         rows, counts = _read_store(store)
         with tempfile.TemporaryDirectory(prefix="composer-featuretool-") as scratch:

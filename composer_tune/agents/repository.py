@@ -262,6 +262,8 @@ class RepositoryEnvironment:
             content: The file's complete new text.
         """
         file = self._path(path)
+        if file.exists() and not file.is_file():  # a folder, or a FIFO a command made
+            raise ValueError(f"{path}: not a regular file")
         if len(content.encode("utf-8")) > _MAX_WRITE_BYTES:
             raise ValueError(f"content larger than {_MAX_WRITE_BYTES} bytes")
         file.parent.mkdir(parents=True, exist_ok=True)

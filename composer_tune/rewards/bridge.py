@@ -576,6 +576,16 @@ class Endpoint:
             return self._encode_temporal(value, depth, active, budget)
         if kind is decimal.Decimal:
             return {"t": "decimal", "v": str(value)}
+        if kind in _CONTAINER_LIKE:  # by value, rebuilt as the same type on the other side
+            if id(value) in active:
+                raise _Unencodable("cyclic")
+            active.add(id(value))
+            try:
+                items = value.__dict__.items() if kind is types.SimpleNamespace else value
+                inner = [self._encode(item, depth + 1, active, budget) for item in items]
+            finally:
+                active.discard(id(value))
+            return {"t": _CONTAINER_LIKE[kind], "v": inner}
         if kind is fractions.Fraction:
             return {
                 "t": "fraction",
@@ -761,6 +771,8 @@ class Endpoint:
             return datetime.timedelta(*value)
         if tag == "decimal" and type(value) is str:
             return decimal.Decimal(value)
+        if tag in _CONTAINER_TAGS:
+            return _CONTAINER_TAGS[tag](items())
         if tag == "fraction" and type(value) is list and len(value) == 2:
             numerator, denominator = (self.decode(v, depth + 1) for v in value)
             if type(numerator) is not int or type(denominator) is not int:
@@ -1165,6 +1177,32 @@ def _on_alarm(signum, frame):
 
 
 _TEMPORAL = (datetime.date, datetime.datetime, datetime.time, datetime.timedelta)
+# Standard containers that compare by value, by their tag; decoding rebuilds the exact type
+# (dict views on a fresh dict, so that keys and items still compare as sets).
+_CONTAINER_LIKE = {
+    type({}.keys()): "dict_keys",
+    type({}.values()): "dict_values",
+    type({}.items()): "dict_items",
+    collections.deque: "deque",
+    types.SimpleNamespace: "namespace",
+}
+_CONTAINER_TAGS = {
+    "dict_keys": lambda items: dict.fromkeys(items).keys(),
+    "dict_values": lambda items: dict(enumerate(items)).values(),
+    "dict_items": lambda items: dict(_pairs(items)).items(),
+    "deque": collections.deque,
+    "namespace": lambda items: types.SimpleNamespace(
+        **{key: value for key, value in _pairs(items) if type(key) is str}
+    ),
+}
+
+
+def _pairs(items: list) -> list:
+    if not all(type(item) is tuple and len(item) == 2 for item in items):
+        raise BridgeError("malformed pairs")
+    return items
+
+
 _MODULE_OPS = {"modattr": "getattr", "setmodattr": "setattr", "delmodattr": "delattr"}
 _ARGS = BaseException.__dict__["args"]
 

@@ -598,9 +598,10 @@ def _bind(libc: ctypes.CDLL, jail: str, source: str, target: str, writable: bool
         os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
         open(inside, "a").close()
     _mount(libc, source, inside, None, _MS_BIND | _MS_REC, None)
-    if not writable:
-        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
-        _mount(libc, None, inside, None, flags, None)
+    flags = _MS_REMOUNT | _MS_BIND | (0 if writable else _MS_RDONLY)
+    if not source.startswith("/dev/"):  # device nodes need their dev flag; nothing else does
+        flags |= _MS_NOSUID | _MS_NODEV
+    _mount(libc, None, inside, None, flags, None)
 
 
 def _build_private_root(libc: ctypes.CDLL, config: dict, uid: int) -> str:
