@@ -255,6 +255,10 @@ def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
     _write(tmp_path / "nopackage", {"tests/test_x.py": "def test_x():\n    pass\n"})
     with pytest.raises(GenerationError, match="no Python package"):
         detect_layout(tmp_path / "nopackage")
+    inside = {"pkg/__init__.py": "", "pkg/tests/__init__.py": "", "pkg/tests/test_x.py": ""}
+    _write(tmp_path / "inside", inside)
+    with pytest.raises(GenerationError, match="tests live inside the package: not supported"):
+        detect_layout(tmp_path / "inside")
 
 
 # --------------------------------------------------------------------------------------------

@@ -139,6 +139,8 @@ def detect_layout(root: Path) -> Layout:
         for top in package_paths_
         for path in ([top] if top.is_file() else _walk_files(top))
         if path.suffix == ".py"
+        and not _is_test_file(path.name)
+        and not {"test", "tests", "testing"} & set(path.relative_to(root).parts[:-1])
     )
     inside = {Path(p) for p in package_paths_}
     test_files = sorted(
@@ -149,7 +151,20 @@ def detect_layout(root: Path) -> Layout:
         and path.relative_to(root).parts[0] not in ("doc", "docs", "benchmark", "benchmarks")
     )
     if not test_files:
-        raise GenerationError(f"{root}: no test files (test_*.py, *_test.py) outside the package")
+        inside_only = any(
+            _is_test_file(Path(p).name)
+            for top in package_paths_
+            for p in ([] if top.is_file() else _walk_files(top))
+        )
+        raise GenerationError(
+            f"{root}: no test files (test_*.py, *_test.py) outside the package"
+            + (
+                " (its tests live inside the package: not supported, since the grader keeps "
+                "the tests and the package in separate processes)"
+                if inside_only
+                else ""
+            )
+        )
     return Layout(import_root, tuple(packages), tuple(package_files), tuple(test_files))
 
 
