@@ -11,12 +11,13 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from composer_tune.rewards.sandbox import SandboxLimits, run_many, run_python
+from composer_tune.rewards.sandbox import Mount, SandboxLimits, run_command, run_many, run_python
 
 LIMITS = SandboxLimits(
     wall_time_s=2.0,
@@ -281,3 +282,91 @@ def test_invalid_limits_name_the_field() -> None:
         SandboxLimits(wall_time_s=0)
     with pytest.raises(ValueError, match="max_workers"):
         run_many(["pass"], limits=LIMITS, max_workers=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The private root, mounts, commands, passed descriptors and stopping a run
+
+
+needs_private_root = pytest.mark.skipif(
+    "private_root" not in run_python("pass", limits=LIMITS).isolation,
+    reason="no mount namespaces here (not root): docs/sandbox.md says what is not enforced",
+)
+
+
+@needs_private_root
+def test_private_root_hides_the_repository_and_installed_packages() -> None:
+    import sys as host_sys
+
+    code = (
+        "import glob, json, os, sys\n"
+        "sites = glob.glob(os.path.join(sys.base_prefix, 'lib', 'python3*', 'site-packages'))\n"
+        "print(json.dumps({'top': sorted(os.listdir('/')), 'sites': [os.listdir(s) for s in sites],"
+        f" 'readme': os.path.exists({str(Path(__file__).resolve().parents[1] / 'README.md')!r}),"
+        f" 'venv': os.path.exists({host_sys.prefix!r})}}))\n"
+    )
+    result = run_python(code, limits=LIMITS)
+    assert result.status == "ok", result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["readme"] is False and seen["venv"] is False
+    assert seen["sites"] and all(entries == [] for entries in seen["sites"])
+    assert "work" not in seen["top"] and "home" not in seen["top"]
+
+
+@needs_private_root
+def test_mounts_are_read_only_or_handed_over_and_back(tmp_path: Path) -> None:
+    shared, scratch = tmp_path / "shared", tmp_path / "scratch"
+    shared.mkdir()
+    scratch.mkdir()
+    (shared / "data.txt").write_text("hello")
+    code = (
+        "print(open('/data/data.txt').read())\n"
+        "try:\n    open('/data/new.txt', 'w')\nexcept OSError as exc:\n    print('ro', exc.errno)\n"
+        "open('/scratch/made.txt', 'w').write('made')\n"
+    )
+    mounts = [Mount(str(shared), "/data"), Mount(str(scratch), "/scratch", writable=True)]
+    result = run_python(code, limits=LIMITS, mounts=mounts)
+    assert result.status == "ok", result.stderr
+    assert result.stdout.splitlines()[:2] == ["hello", "ro 30"]  # EROFS
+    assert (scratch / "made.txt").read_text() == "made"
+    assert (scratch / "made.txt").stat().st_uid == os.geteuid()  # handed back after the run
+    with pytest.raises(ValueError, match="absolute path"):
+        Mount(str(shared), "relative")
+
+
+@needs_private_root
+def test_run_command_finds_python_and_runs_in_cwd(tmp_path: Path) -> None:
+    result = run_command(
+        ["/bin/sh", "-c", "pwd; python3 -c 'import sys; print(sys.flags.isolated)'"],
+        limits=LIMITS,
+        mounts=[Mount(str(tmp_path), "/work_here", writable=True)],
+        cwd="/work_here",
+        env={"EXTRA": "1"},
+    )
+    assert result.status == "ok", result.stderr
+    assert result.stdout.split() == ["/work_here", "0"]
+    with pytest.raises(ValueError, match="absolute path"):
+        run_command(["sh", "-c", "true"], limits=LIMITS)
+
+
+def test_passed_descriptors_and_stop_fd() -> None:
+    to_program, from_caller = os.pipe()
+    stop_read, stop_write = os.pipe()
+    code = f"import os\nos.write(1, os.read({to_program}, 100))\nimport time\ntime.sleep(60)\n"
+    os.write(from_caller, b"through the pipe")
+    os.close(from_caller)
+    started = time.monotonic()
+    timer = threading.Timer(1.5, os.close, args=(stop_write,))
+    timer.start()
+    try:
+        result = run_python(
+            code, limits=SandboxLimits(wall_time_s=30.0), pass_fds=[to_program], stop_fd=stop_read
+        )
+    finally:
+        timer.join()
+        os.close(stop_read)
+    assert (result.status, result.detail) == ("stopped", "stopped by the caller")
+    assert result.stdout == "through the pipe"
+    assert time.monotonic() - started < 20
+    with pytest.raises(OSError):
+        os.fstat(to_program)  # the run owned it and closed it

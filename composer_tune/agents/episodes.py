@@ -358,7 +358,8 @@ def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResul
     after the prompt, its ids after the prompt, the dataset columns and the environments, and the
     environment's ``get_reward()`` is one more part of weight 1. An episode that could not run
     (``record.error``) is unscored. The record's feedback at a final-answer error turn is the
-    reward's feedback."""
+    reward's feedback, or else the environment's ``reward_feedback`` string (set by its
+    ``get_reward()``, e.g. the repository environment's failing hidden test)."""
     batch = ScoringBatch(
         samples=[e.sample for e in episodes],
         texts=[e.final_text for e in episodes],
@@ -382,7 +383,13 @@ def score_episodes(episodes: Sequence[Episode], reward: Any) -> list[RewardResul
     for episode, result in zip(episodes, score_completions(reward, batch), strict=True):
         if episode.record.error is not None:
             result = RewardResult(math.nan, None, episode.record.error)
-        elif not any(call["error"] for call in episode.record.tool_calls):
-            episode.record.feedback = result.feedback
+        else:
+            # Optional, beyond TRL's contract: the environment's own verdict text (e.g. the
+            # failing hidden test) when the recipe reward has none, as the episode's feedback.
+            env_feedback = getattr(episode.environment, "reward_feedback", "")
+            if isinstance(env_feedback, str) and env_feedback and not result.feedback:
+                result = RewardResult(result.score, result.correct, env_feedback)
+            if not any(call["error"] for call in episode.record.tool_calls):
+                episode.record.feedback = result.feedback
         scored.append(result)
     return scored

@@ -5,97 +5,37 @@ Code extraction: the LAST closed fenced block whose language tag is empty, ``pyt
 the completion scores 0 with feedback "no code block found", unless ``allow_unfenced`` is set,
 in which case the whole completion is treated as code.
 
-Each test snippet runs separately inside one sandboxed process (``sandbox.run_python``), in a
-try/except, so the reward can give the fraction passed. The harness reports a JSON summary on a
-line starting with a random per-run nonce that it reads from stdin before the solution runs, so
-the solution cannot forge the summary by printing a fixed marker. This is not a security
-boundary (code in the same process can dig the nonce out of memory); the sandbox is.
+The tests never run where the solution can reach them. Each completion is a split run
+(``composer_tune.rewards.split``): the solution's code runs in one sandboxed process that
+sees no test, the test snippets run in a second sandboxed process (its own uid, private root,
+memory and files) that never imports the solution, and the two talk only through a pipe
+carrying plain data (``composer_tune.rewards.bridge``): when a test calls the solution's
+function, the arguments cross, the function runs in the solution's process, and its result
+comes back decoded into exact builtin types, so every ``==`` of a test is the grader's. An
+object whose ``__eq__`` always says yes, patched builtins, a forged "all passed" line, an
+early ``os._exit(0)``, reading the tests from memory or disk: none of it reaches the grader's
+verdict (tests/test_grader_hostile.py). See docs/grader.md.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from composer_tune.rewards.base import RewardResult
-from composer_tune.rewards.sandbox import SandboxLimits, SandboxResult, run_many
+from composer_tune.rewards.sandbox import SandboxLimits
+from composer_tune.rewards.split import SplitRun, run_split
 
 # ```python ... ``` (tag optional); the closing fence must start a line.
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 _PYTHON_TAGS = {"", "python", "python3", "py"}
 _FEEDBACK_CHARS = 600
-
-# Runs the solution, then every test snippet in the solution's namespace. For a failing
-# ``assert a == b`` it evaluates both sides again to report "expected ..., got ...".
-_HARNESS = r"""
-import ast as _ast, json as _json, signal as _signal, sys as _sys, traceback as _traceback
-
-
-class _TestTimeout(Exception):
-    pass
-
-
-def _on_alarm(signum, frame):
-    raise _TestTimeout()
-
-
-def _main(nonce, solution, tests, per_test_s):
-    namespace = {"__name__": "__solution__"}
-    if per_test_s:
-        _signal.signal(_signal.SIGALRM, _on_alarm)
-
-    def tail(limit=400):
-        text = "".join(_traceback.format_exception_only(*_sys.exc_info()[:2])).strip()
-        return text[-limit:]
-
-    def compare_hint(snippet):
-        try:
-            node = _ast.parse(snippet).body[-1]
-            test = node.test
-            if not (isinstance(test, _ast.Compare) and len(test.ops) == 1
-                    and isinstance(test.ops[0], (_ast.Eq, _ast.Is))):
-                return ""
-            got = eval(compile(_ast.Expression(test.left), "<test>", "eval"), namespace)
-            want = eval(compile(_ast.Expression(test.comparators[0]), "<test>", "eval"), namespace)
-            return f"expected {want!r:.150}, got {got!r:.150}"
-        except BaseException:
-            return ""
-
-    results = []
-    try:
-        exec(compile(solution, "solution.py", "exec"), namespace)
-    except BaseException:
-        error = "solution failed to load: " + tail()
-        results = [{"passed": False, "error": error} for _ in tests]
-    else:
-        for snippet in tests:
-            if per_test_s:
-                _signal.setitimer(_signal.ITIMER_REAL, per_test_s)
-            try:
-                exec(compile(snippet, "<test>", "exec"), namespace)
-                outcome = {"passed": True}
-            except AssertionError:
-                # Still under the timer, so re-evaluating a hanging expression cannot stall.
-                error = compare_hint(snippet) or tail() or "AssertionError"
-                outcome = {"passed": False, "error": error}
-            except _TestTimeout:
-                outcome = {"passed": False, "error": f"test timed out after {per_test_s:g}s"}
-            except BaseException:
-                outcome = {"passed": False, "error": tail()}
-            finally:
-                _signal.setitimer(_signal.ITIMER_REAL, 0)
-            results.append(outcome)
-    _sys.stdout.flush()
-    _sys.stdout.write("\n" + nonce + _json.dumps(results) + "\n")
-    _sys.stdout.flush()
-
-
-_main(_sys.stdin.readline().strip(), ARGUMENTS)
-"""
+# Sandbox wall-clock slack beyond the tests' budget, so that the grader can report a timeout.
+_REPORT_SLACK_S = 2.0
 
 
 def extract_code(completion: str, allow_unfenced: bool = False) -> str | None:
@@ -108,28 +48,15 @@ def extract_code(completion: str, allow_unfenced: bool = False) -> str | None:
     return None
 
 
-def build_test_program(
-    solution: str, tests: Sequence[str], per_test_timeout_s: float | None = None
-) -> str:
-    """The harness source running ``tests`` against ``solution``; expects the nonce on stdin.
-
-    ``per_test_timeout_s`` arms SIGALRM around each test, so one hanging test fails alone
-    (pure-Python loops only: a blocking C call or a solution that handles SIGALRM is stopped
-    by the sandbox's wall clock instead).
-    """
-    arguments = f"{solution!r}, {list(tests)!r}, {per_test_timeout_s!r}"
-    return _HARNESS.replace("ARGUMENTS", arguments)
-
-
 class CodeExecutionReward:
-    """Scores completions by running their code against ``sample["tests"]`` in the sandbox.
+    """Scores completions by running their code against ``sample["tests"]`` (split run).
 
     score: 1.0 when every test passes, else the fraction passed when ``partial_credit`` (0.0
     otherwise). ``sample["timeout_s"]`` (when set) replaces ``limits.wall_time_s``, the budget
-    of the whole program; ``per_test_timeout_s`` (off by default) additionally fails a single
-    slow test without losing the others' credit.
-    feedback: the first failing test and its error, or the sandbox status ("timed out after
-    2s"): short, meant as a hint for a teacher model.
+    of all the tests together; ``per_test_timeout_s`` (off by default) gives each test its own
+    budget instead, so that a slow test fails alone without losing the others' credit.
+    feedback: the first failing test and its error, or what went wrong ("timed out after 2s"):
+    short, meant as a hint for a teacher model.
     """
 
     def __init__(
@@ -143,6 +70,8 @@ class CodeExecutionReward:
         # A mapping comes from YAML (torchtune does not instantiate nested components).
         if isinstance(limits, Mapping):
             limits = SandboxLimits(**limits)
+        if max_workers < 1:
+            raise ValueError(f"CodeExecutionReward: max_workers must be >= 1, got {max_workers}")
         self.limits = limits or SandboxLimits(wall_time_s=5.0, cpu_time_s=5.0)
         self.max_workers = max_workers
         self.partial_credit = partial_credit
@@ -155,7 +84,7 @@ class CodeExecutionReward:
         if len(completions) != len(samples):
             raise ValueError(f"got {len(completions)} completions for {len(samples)} samples")
         results: list[RewardResult | None] = [None] * len(completions)
-        jobs: dict[float, list[tuple[int, str, str]]] = {}
+        jobs: list[tuple[int, str]] = []
         for index, (completion, sample) in enumerate(zip(completions, samples, strict=True)):
             tests = sample.get("tests")
             if not tests or isinstance(tests, str):
@@ -166,55 +95,60 @@ class CodeExecutionReward:
             code = extract_code(completion, self.allow_unfenced)
             if code is None:
                 results[index] = RewardResult(0.0, False, "no code block found")
-                continue
-            nonce = secrets.token_hex(16)
-            wall = sample.get("timeout_s") or self.limits.wall_time_s
-            jobs.setdefault(wall, []).append(
-                (index, nonce, build_test_program(code, tests, self.per_test_timeout_s))
-            )
-        # One parallel batch per distinct timeout (usually exactly one).
-        for wall, batch in jobs.items():
-            limits = replace(self.limits, wall_time_s=wall)
-            runs = run_many(
-                [program for _, _, program in batch],
-                limits=limits,
-                max_workers=self.max_workers,
-                stdins=[nonce + "\n" for _, nonce, _ in batch],
-            )
-            for (index, nonce, _), run in zip(batch, runs, strict=True):
-                results[index] = self._score(run, nonce, samples[index]["tests"])
+            else:
+                jobs.append((index, code))
+        with ThreadPoolExecutor(self.max_workers, thread_name_prefix="coding-reward") as pool:
+            scored = pool.map(lambda job: self._score(job[1], samples[job[0]]), jobs)
+            for (index, _), result in zip(jobs, scored, strict=True):
+                results[index] = result
         return [r for r in results if r is not None]
 
-    def _score(self, run: SandboxResult, nonce: str, tests: Sequence[str]) -> RewardResult:
-        num_tests = len(tests)
-        summary = _parse_summary(run.stdout, nonce)
-        if summary is None or len(summary) != num_tests:
-            reason = run.detail or f"exited with status {run.exit_code}"
-            if run.status == "ok":
-                reason = "the program ended before the tests finished (exit() or os._exit?)"
-            if run.stderr.strip():
-                reason += "\n" + run.stderr.strip()[-_FEEDBACK_CHARS // 2 :]
+    def _score(self, code: str, sample: Mapping[str, Any]) -> RewardResult:
+        tests = list(sample["tests"])
+        budget = float(sample.get("timeout_s") or self.limits.wall_time_s)
+        per_test = self.per_test_timeout_s
+        # Per-test budgets: the whole run may take each test its budget (the sample's or the
+        # limit's wall clock still caps it).
+        total = budget if not per_test else max(budget, per_test * len(tests))
+        limits = replace(self.limits, wall_time_s=total + _REPORT_SLACK_S)
+        run = run_split(
+            grader_entry="snippet_grader",
+            grader_config={"tests": tests, "per_test_timeout_s": per_test, "time_budget_s": total},
+            solution_entry="snippet_solution",
+            solution_arguments={"code": code},
+            limits=limits,
+            nonce=secrets.token_hex(16),
+        )
+        return self._verdict(run, tests, budget)
+
+    def _verdict(self, run: SplitRun, tests: Sequence[str], budget: float) -> RewardResult:
+        report, num_tests = run.report, len(tests)
+        if report is None or report.get("timed_out"):
+            if report is not None or run.grader.status == "timeout":
+                return RewardResult(0.0, False, f"timed out after {budget:g}s")
+            reason = f"the grader failed ({run.grader.status}: {run.grader.detail})"
+            return RewardResult(
+                0.0, False, (reason + "\n" + run.grader.stderr[-300:])[:_FEEDBACK_CHARS]
+            )
+        if report.get("load_error"):
+            reason = str(report["load_error"])
+            if run.solution.status in ("timeout", "cpu_limit", "oom", "output_limit", "killed"):
+                reason = f"{reason} ({run.solution.status}: {run.solution.detail})"
+            stderr = run.solution.stderr.strip()
+            if stderr and "solution failed to load" not in reason:
+                reason += "\n" + stderr[-_FEEDBACK_CHARS // 2 :]
             return RewardResult(0.0, False, reason[:_FEEDBACK_CHARS])
-        passed = sum(bool(r.get("passed")) for r in summary)
+        outcomes = report.get("results")
+        if not isinstance(outcomes, list) or len(outcomes) != num_tests:
+            return RewardResult(0.0, False, "the grader's report is incomplete")
+        passed = sum(outcome.get("passed") is True for outcome in outcomes)
         if passed == num_tests:
             return RewardResult(1.0, True, f"all {num_tests} tests passed")
-        first = next(i for i, r in enumerate(summary) if not r.get("passed"))
+        first = next(i for i, outcome in enumerate(outcomes) if outcome.get("passed") is not True)
         source = tests[first].strip().splitlines()[-1][:200]
         feedback = (
             f"{passed}/{num_tests} tests passed; test {first + 1} `{source}` failed: "
-            f"{summary[first].get('error', '')}"
+            f"{outcomes[first].get('error', '')}"
         )
         score = passed / num_tests if self.partial_credit else 0.0
         return RewardResult(score, False, feedback[:_FEEDBACK_CHARS])
-
-
-def _parse_summary(stdout: str, nonce: str) -> list[dict] | None:
-    """The JSON list on the last line starting with ``nonce``; None when absent or garbled."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(nonce):
-            try:
-                summary = json.loads(line[len(nonce) :])
-            except ValueError:
-                return None
-            return summary if isinstance(summary, list) else None
-    return None

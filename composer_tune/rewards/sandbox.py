@@ -15,11 +15,15 @@ The launcher is a fresh single-threaded interpreter, so the namespace / mount / 
 happens there rather than in a ``preexec_fn`` (unsafe in a threaded parent such as ``run_many``).
 When the init process exits the kernel kills everything left in its pid namespace, so background
 processes cannot outlive the run even if they escaped the process group with ``setsid``.
+Where mount namespaces work, the program is chrooted into a private root that holds only the
+system directories, the interpreter (its site-packages covered) and the caller's mounts: the
+trainer's repository, datasets and installed packages are not there to read.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import itertools
 import json
 import os
@@ -33,13 +37,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
 Status = Literal[
-    "ok", "error", "timeout", "cpu_limit", "oom", "output_limit", "killed", "sandbox_error"
+    "ok",
+    "error",
+    "timeout",
+    "cpu_limit",
+    "oom",
+    "output_limit",
+    "killed",
+    "stopped",
+    "sandbox_error",
 ]
 
 # Unshare flags and mount flags from <sched.h> / <sys/mount.h> (Python 3.11 has no os.unshare).
@@ -55,6 +67,17 @@ _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
 _PR_SET_PDEATHSIG = 1
+
+# What the private root exposes read-only besides the interpreter's prefix (symlinks such as
+# /lib -> usr/lib are recreated as symlinks) and the device nodes it binds.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+# Installed packages stay out of reach: every such directory of these prefixes is covered.
+_SITE_PATTERNS = (
+    "lib*/python3*/site-packages",
+    "lib*/python3*/dist-packages",
+    "lib/python3/dist-packages",
+)
 
 # Private uids for sandboxed programs: far above any real account, one per concurrent run so
 # that RLIMIT_NPROC counts only this run's processes and runs cannot touch each other's files.
@@ -112,13 +135,14 @@ class SandboxResult:
 
     status: "ok" (exit 0), "error" (non-zero exit), "timeout" (wall clock), "cpu_limit"
         (RLIMIT_CPU), "oom" (MemoryError under RLIMIT_AS), "output_limit", "killed" (died from
-        another signal), "sandbox_error" (the sandbox itself failed to start the program).
+        another signal), "stopped" (the caller's ``stop_fd`` became readable), "sandbox_error"
+        (the sandbox itself failed to start the program).
     exit_code: the program's exit status, None when it died from a signal or was killed.
     stdout, stderr: decoded output, each truncated to ``max_output_bytes``.
     wall_time_s: seconds from start until the run was over.
     detail: one human-readable line about the status ("timed out after 2.0s").
     isolation: which protections were active: "network", "pid_namespace", "private_proc",
-        "private_uid" (see docs/sandbox.md).
+        "private_uid", "private_tmp", "private_root" (see docs/sandbox.md).
     """
 
     status: Status
@@ -130,17 +154,114 @@ class SandboxResult:
     isolation: frozenset[str] = field(default_factory=frozenset)
 
 
-def run_python(code: str, *, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
+@dataclass(frozen=True)
+class Mount:
+    """A host file or directory the program sees at ``target``, read-only unless ``writable``.
+
+    Mounts exist only inside the private root (``"private_root"`` in ``SandboxResult.isolation``,
+    see :func:`private_root_available`); without one the program sees the host's file system
+    as it is and ``target`` does not exist. A writable mount's files are handed to the run's
+    private uid for the run and back to the caller afterwards.
+    """
+
+    source: str
+    target: str
+    writable: bool = False
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.target) or ".." in self.target.split("/"):
+            raise ValueError(f"Mount.target must be an absolute path, got {self.target!r}")
+        if not os.path.exists(self.source):
+            raise ValueError(f"Mount.source does not exist: {self.source!r}")
+
+
+@dataclass(frozen=True)
+class _Options:
+    mounts: tuple[Mount, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
+    pass_fds: tuple[int, ...] = ()
+    stop_fd: int | None = None
+
+
+def run_python(
+    code: str,
+    *,
+    limits: SandboxLimits,
+    stdin: str = "",
+    mounts: Sequence[Mount] = (),
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    stop_fd: int | None = None,
+) -> SandboxResult:
     """Execute ``code`` as ``__main__`` of a fresh ``python -I -S`` under ``limits``.
+
+    ``mounts``: extra host paths inside the private root. ``env``: variables added to the
+    scrubbed environment (``-I`` ignores ``PYTHON*`` ones in this interpreter). ``pass_fds``:
+    descriptors the program inherits under the same numbers; they belong to the run from now
+    on and are closed here once it has started. ``stop_fd``: the run is killed (status
+    "stopped") as soon as this descriptor is readable or at end of file; it stays the caller's.
 
     Never raises for anything the program does; the temporary directory and every process of
     the run are gone when this returns.
     """
+    options = _Options(tuple(mounts), tuple((env or {}).items()), None, tuple(pass_fds), stop_fd)
+    return _run(None, code, limits, stdin, options)
+
+
+def run_command(
+    argv: Sequence[str],
+    *,
+    limits: SandboxLimits,
+    stdin: str = "",
+    mounts: Sequence[Mount] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    pass_fds: Sequence[int] = (),
+    stop_fd: int | None = None,
+) -> SandboxResult:
+    """Execute ``argv`` (``argv[0]`` an absolute path, e.g. ``/bin/sh``) like :func:`run_python`.
+
+    ``python`` and ``python3`` on the program's ``PATH`` are the trainer's base interpreter
+    (site-packages hidden in the private root). ``cwd`` (default: the private home directory)
+    is a path the program sees, e.g. a mount's target.
+    """
+    if not argv or not os.path.isabs(argv[0]):
+        raise ValueError(f"run_command: argv[0] must be an absolute path, got {list(argv)[:1]}")
+    options = _Options(tuple(mounts), tuple((env or {}).items()), cwd, tuple(pass_fds), stop_fd)
+    return _run(list(argv), None, limits, stdin, options)
+
+
+def private_root_available() -> bool:
+    """Whether programs here run in the private root, so that mounts take effect (probed once)."""
+    global _PRIVATE_ROOT
+    if _PRIVATE_ROOT is None:
+        probe = run_python("pass", limits=SandboxLimits(wall_time_s=30.0))
+        _PRIVATE_ROOT = "private_root" in probe.isolation
+    return _PRIVATE_ROOT
+
+
+_PRIVATE_ROOT: bool | None = None
+
+
+def _run(
+    argv: list[str] | None, code: str | None, limits: SandboxLimits, stdin: str, options: _Options
+) -> SandboxResult:
     root = tempfile.mkdtemp(prefix="composer-sandbox-")
+    unclosed = list(options.pass_fds)  # closed exactly once: at the start, or here
     try:
-        return _run_in(root, code, limits, stdin)
+        return _run_in(root, argv, code, limits, stdin, options, unclosed)
     finally:
+        _close_all(unclosed)
         _remove_tree(root)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 def run_many(
@@ -174,47 +295,75 @@ def _next_uid() -> int:
     return _UID_BASE + (os.getpid() % 65536) * 4096 + slot
 
 
-def _run_in(root: str, code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
+def _run_in(
+    root: str,
+    argv: list[str] | None,
+    code: str | None,
+    limits: SandboxLimits,
+    stdin: str,
+    options: _Options,
+    unclosed: list[int],
+) -> SandboxResult:
     as_root = os.geteuid() == 0
     uid = _next_uid() if as_root else None
     workdir = os.path.join(root, "work")
     os.mkdir(workdir, 0o700)
-    program = os.path.join(root, "main.py")
-    stdin_path = os.path.join(root, "stdin")
+    # Read-only by the program: its source and the python/python3 commands of its PATH.
+    program_dir, bin_dir = os.path.join(root, "program"), os.path.join(root, "bin")
+    os.mkdir(program_dir, 0o755)
+    os.mkdir(bin_dir, 0o755)
+    for name in ("python", "python3"):
+        os.symlink(_BASE_PYTHON, os.path.join(bin_dir, name))
+    program = os.path.join(program_dir, "main.py")
     with open(program, "w", encoding="utf-8") as handle:
-        handle.write(code)
+        handle.write(code or "")
+    os.chmod(program, 0o644)
+    if argv is None:
+        argv = [_BASE_PYTHON, "-I", "-S", program]
+    # Stdin reaches the program as an open descriptor; the file itself is the trainer's only.
+    stdin_path = os.path.join(root, "stdin")
     with open(stdin_path, "w", encoding="utf-8") as handle:
         handle.write(stdin)
+    os.chmod(stdin_path, 0o600)
     if uid is not None:
         # The program runs as ``uid``: it may enter root and read its files, write only workdir.
         os.chmod(root, 0o711)
-        os.chmod(program, 0o644)
-        os.chmod(stdin_path, 0o644)
         os.chown(workdir, uid, uid)
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
         # The program itself runs with -I (ignores PYTHON* vars); this seeds Pythons it spawns.
         "PYTHONHASHSEED": "0",
         "HOME": workdir,
         "TMPDIR": workdir,
+        **dict(options.env),
     }
     config = {
         "python": _BASE_PYTHON,
         "prefix": _BASE_PREFIX,
-        "program": program,
+        "argv": argv,
+        "root": root,
+        "shared_dirs": [program_dir, bin_dir],
         "workdir": workdir,
+        "cwd": options.cwd or workdir,
+        "mounts": [[m.source, m.target, m.writable] for m in options.mounts],
         "env": env,
         "uid": uid,
         "rlimits": _rlimits(limits),
         "disk_bytes": limits.disk_bytes,
+        "pass_fds": list(options.pass_fds),
     }
+    writable = [m.source for m in options.mounts if m.writable]
+    if uid is not None:
+        for source in writable:
+            _chown_tree(source, uid, uid)
     status_read, status_write = os.pipe()
     config["status_fd"] = status_write
     start = time.monotonic()
     try:
         with open(stdin_path, "rb") as stdin_file:
+            os.unlink(stdin_path)
             process = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(config)],
                 stdin=stdin_file,
@@ -222,19 +371,26 @@ def _run_in(root: str, code: str, limits: SandboxLimits, stdin: str) -> SandboxR
                 stderr=subprocess.PIPE,
                 cwd=workdir,
                 env=env,
-                pass_fds=(status_write,),
+                pass_fds=(status_write, *options.pass_fds),
                 start_new_session=True,
             )
     except OSError as exc:
         os.close(status_read)
         os.close(status_write)
         return SandboxResult("sandbox_error", None, "", "", 0.0, f"could not start: {exc}")
+    finally:
+        _close_all(unclosed)
     os.close(status_write)
-    with process:  # closes the pipes on exit
-        try:
-            outcome, out, err = _supervise(process, limits, start)
-        finally:
-            _kill_group(process)
+    try:
+        with process:  # closes the pipes on exit
+            try:
+                outcome, out, err = _supervise(process, limits, start, options.stop_fd)
+            finally:
+                _kill_group(process)
+    finally:
+        if uid is not None:
+            for source in writable:
+                _chown_tree(source, os.geteuid(), os.getegid())
     wall = time.monotonic() - start
     report = _read_report(status_read)
     stdout = out.decode("utf-8", errors="replace")
@@ -246,8 +402,23 @@ def _run_in(root: str, code: str, limits: SandboxLimits, stdin: str) -> SandboxR
     if outcome == "output_limit":
         detail = f"output exceeded {limits.max_output_bytes} bytes"
         return SandboxResult("output_limit", None, stdout, stderr, wall, detail, isolation)
+    if outcome == "stopped":
+        return SandboxResult(
+            "stopped", None, stdout, stderr, wall, "stopped by the caller", isolation
+        )
     status, exit_code, detail = _classify(report, stderr, limits)
     return SandboxResult(status, exit_code, stdout, stderr, wall, detail, isolation)
+
+
+def _chown_tree(path: str, uid: int, gid: int) -> None:
+    """Hand ``path`` and everything below it to ``uid`` (links themselves, never their targets)."""
+    os.chown(path, uid, gid, follow_symlinks=False)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            try:
+                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+            except OSError:
+                pass
 
 
 def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
@@ -264,9 +435,10 @@ def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
 
 
 def _supervise(
-    process: subprocess.Popen[bytes], limits: SandboxLimits, start: float
+    process: subprocess.Popen[bytes], limits: SandboxLimits, start: float, stop_fd: int | None
 ) -> tuple[str, bytes, bytes]:
-    """Collect output until the launcher exits, the deadline passes or the output cap is hit.
+    """Collect output until the launcher exits, the deadline passes, the output cap is hit or
+    ``stop_fd`` becomes readable.
 
     Output is read incrementally and never buffered beyond the cap.
     """
@@ -279,6 +451,8 @@ def _supervise(
     exit_fd = os.pidfd_open(process.pid) if hasattr(os, "pidfd_open") else None
     if exit_fd is not None:
         selector.register(exit_fd, selectors.EVENT_READ)
+    if stop_fd is not None:
+        selector.register(stop_fd, selectors.EVENT_READ)
     outcome = ""
     try:
         while not outcome:
@@ -290,7 +464,9 @@ def _supervise(
             events = selector.select(remaining if exit_fd is not None else min(remaining, 0.05))
             for key, _ in events:
                 if key.fd == exit_fd:
-                    outcome = "exited"
+                    outcome = outcome or "exited"
+                elif key.fd == stop_fd:
+                    outcome = outcome or "stopped"
                 elif _read_capped(key.fd, buffers[key.fd], limits.max_output_bytes, selector):
                     outcome = "output_limit"
             if exit_fd is None and process.poll() is not None:
@@ -298,8 +474,9 @@ def _supervise(
         if outcome == "exited":
             # Everything in the run is dead now (or killed below); drain what is left briefly.
             _kill_group(process)
-            if exit_fd is not None:
-                selector.unregister(exit_fd)
+            for fd in (exit_fd, stop_fd):
+                if fd is not None:
+                    selector.unregister(fd)
             drain_deadline = time.monotonic() + 0.5
             while selector.get_map() and time.monotonic() < drain_deadline:
                 for key, _ in selector.select(0.05):
@@ -405,43 +582,73 @@ def _blocked_ancestor(path: str) -> str | None:
     return None
 
 
-def _hide_private_ancestor(libc: ctypes.CDLL, prefix: str, root: str) -> None:
-    """Make ``prefix`` reachable by the private uid while hiding its non-traversable ancestor.
+def _mount(
+    libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str
+) -> None:
+    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
+    _libc_call(libc, "mount", encode(source), target.encode(), encode(fstype), flags, encode(data))
 
-    E.g. a pyenv Python under /root (mode 700): /root is covered with an empty tmpfs and only
-    the interpreter's prefix is bind-mounted back, read-only.
+
+def _bind(libc: ctypes.CDLL, jail: str, source: str, target: str, writable: bool) -> None:
+    """Bind ``source`` at ``target`` inside ``jail`` (read-only unless ``writable``)."""
+    inside = jail + target
+    if os.path.isdir(source):
+        os.makedirs(inside, 0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
+        open(inside, "a").close()
+    _mount(libc, source, inside, None, _MS_BIND | _MS_REC, None)
+    flags = _MS_REMOUNT | _MS_BIND | (0 if writable else _MS_RDONLY)
+    if not source.startswith("/dev/"):  # device nodes need their dev flag; nothing else does
+        flags |= _MS_NOSUID | _MS_NODEV
+    _mount(libc, None, inside, None, flags, None)
+
+
+def _build_private_root(libc: ctypes.CDLL, config: dict, uid: int) -> str:
+    """Assemble the program's root directory (see the module doc) and return its host path.
+
+    Everything is read-only except the private home (a tmpfs of ``disk_bytes`` owned by
+    ``uid``), /tmp, /var/tmp, /dev/shm (empty tmpfs mounts) and the caller's writable mounts.
     """
-    blocked = _blocked_ancestor(prefix)
-    if blocked is None:
-        return
-    stage = os.path.join(root, "prefix")
-    os.mkdir(stage, 0o755)
-    _libc_call(libc, "mount", prefix.encode(), stage.encode(), None, _MS_BIND | _MS_REC, None)
-    _libc_call(libc, "mount", b"tmpfs", blocked.encode(), b"tmpfs", _MS_NOSUID, b"mode=0755")
-    os.makedirs(prefix, 0o755)
-    _libc_call(libc, "mount", stage.encode(), prefix.encode(), None, _MS_BIND | _MS_REC, None)
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
-    _libc_call(libc, "mount", None, prefix.encode(), None, flags, None)
-
-
-def _private_scratch(libc: ctypes.CDLL, root: str, workdir: str, uid: int, size: int) -> None:
-    """Give the run empty, size-capped tmpfs mounts for its temp dir and the shared scratch dirs.
-
-    Covering /tmp hides the run's own directory (it lives in /tmp), so it is re-attached from
-    a file descriptor opened before; writes then never reach the host's disk.
-    """
-    keep = os.open(root, os.O_PATH)
-    for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(scratch) and not os.path.islink(scratch):
-            options = f"size={size},mode=1777".encode()
-            _libc_call(libc, "mount", b"tmpfs", scratch.encode(), b"tmpfs", _MS_NOSUID, options)
-    if not os.path.isdir(root):
-        os.makedirs(root)
-        source = f"/proc/self/fd/{keep}".encode()
-        _libc_call(libc, "mount", source, root.encode(), None, _MS_BIND, None)
-    os.close(keep)
-    options = f"size={size},mode=0700,uid={uid},gid={uid}".encode()
-    _libc_call(libc, "mount", b"tmpfs", workdir.encode(), b"tmpfs", _MS_NOSUID, options)
+    jail = os.path.join(config["root"], "jail")
+    os.mkdir(jail, 0o755)
+    _mount(libc, "tmpfs", jail, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=0755")
+    bound: list[str] = []
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), jail + path)
+        elif os.path.isdir(path):
+            _bind(libc, jail, path, path, writable=False)
+            bound.append(path)
+    prefix = config["prefix"]
+    if not any(prefix == path or prefix.startswith(path + "/") for path in bound):
+        _bind(libc, jail, prefix, prefix, writable=False)
+    for base in {prefix, "/usr", "/usr/local"}:
+        for pattern in _SITE_PATTERNS:
+            for site in glob.glob(os.path.join(jail + base, pattern)):
+                if os.path.isdir(site) and not os.path.islink(site):
+                    _mount(libc, "tmpfs", site, "tmpfs", _MS_NOSUID | _MS_RDONLY, "size=4k")
+    os.makedirs(jail + "/dev", 0o755)
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(libc, jail, f"/dev/{name}", f"/dev/{name}", writable=True)
+    links = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1"}
+    for name, target in {**links, "stderr": "/proc/self/fd/2"}.items():
+        os.symlink(target, f"{jail}/dev/{name}")
+    os.makedirs(jail + "/proc", 0o555)
+    _mount(libc, "proc", jail + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    scratch = f"size={config['disk_bytes']},mode=1777"
+    for path in ("/tmp", "/var/tmp", "/dev/shm"):
+        os.makedirs(jail + path, 0o755, exist_ok=True)
+        _mount(libc, "tmpfs", jail + path, "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+    for path in config["shared_dirs"]:
+        _bind(libc, jail, path, path, writable=False)
+    os.makedirs(jail + config["workdir"], 0o700, exist_ok=True)
+    home = f"size={config['disk_bytes']},mode=0700,uid={uid},gid={uid}"
+    _mount(libc, "tmpfs", jail + config["workdir"], "tmpfs", _MS_NOSUID | _MS_NODEV, home)
+    for source, target, writable in config["mounts"]:
+        _bind(libc, jail, source, target, writable)
+    return jail
 
 
 def _launcher_main(config: dict) -> None:
@@ -462,6 +669,7 @@ def _launcher_main(config: dict) -> None:
             pass
     init = os.fork()
     if init:
+        _close_all(list(config["pass_fds"]))  # only the program keeps the caller's descriptors
         _, wait_status = os.waitpid(init, 0)
         os._exit(os.waitstatus_to_exitcode(wait_status) & 0xFF)
     # init: pid 1 of the new namespace. Die with the launcher (the parent kills the launcher).
@@ -469,19 +677,19 @@ def _launcher_main(config: dict) -> None:
     try:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         uid = config["uid"]
+        jail = None
         if namespaces:
             _libc_call(libc, "mount", None, b"/", None, _MS_REC | _MS_PRIVATE, None)
-            try:
-                flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-                _libc_call(libc, "mount", b"proc", b"/proc", b"proc", flags, None)
-                isolation.append("private_proc")
-            except OSError:
-                pass
             if uid is not None:
-                root = os.path.dirname(config["program"])
-                _hide_private_ancestor(libc, config["prefix"], root)
-                _private_scratch(libc, root, config["workdir"], uid, config["disk_bytes"])
-                isolation.append("private_tmp")
+                jail = _build_private_root(libc, config, uid)
+                isolation += ["private_proc", "private_tmp", "private_root"]
+            else:
+                try:
+                    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+                    _libc_call(libc, "mount", b"proc", b"/proc", b"proc", flags, None)
+                    isolation.append("private_proc")
+                except OSError:
+                    pass
         elif uid is not None and _blocked_ancestor(config["prefix"]) is not None:
             uid = None  # without a mount namespace the private uid could not reach the interpreter
         if uid is not None:
@@ -493,8 +701,9 @@ def _launcher_main(config: dict) -> None:
         program = os.fork()
         if program == 0:
             os.close(failure_read)
-            _exec_program(config, uid, status_fd, failure_write)
+            _exec_program(config, uid, jail, status_fd, failure_write)
         os.close(failure_write)
+        _close_all(list(config["pass_fds"]))
         report = {"isolation": isolation, "exit_code": None, "signal": None}
         while True:  # as pid 1, also reap orphans re-parented to us
             pid, wait_status = os.wait()
@@ -513,19 +722,23 @@ def _launcher_main(config: dict) -> None:
     os._exit(0)
 
 
-def _exec_program(config: dict, uid: int | None, status_fd: int, failure_fd: int) -> None:
-    """In the program's process: apply limits, drop privileges, exec the interpreter."""
+def _exec_program(
+    config: dict, uid: int | None, jail: str | None, status_fd: int, failure_fd: int
+) -> None:
+    """In the program's process: enter the private root, apply limits, drop privileges, exec."""
     try:
         os.close(status_fd)
+        if jail is not None:
+            os.chroot(jail)
         for name, (soft, hard) in config["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        os.chdir(config["workdir"])
-        python = config["python"]
-        os.execve(python, [python, "-I", "-S", config["program"]], config["env"])
+        os.chdir(config["cwd"])
+        argv = config["argv"]
+        os.execve(argv[0], argv, config["env"])
     except BaseException as exc:  # report, and never fall through into init's code
         try:
             os.write(failure_fd, f"could not start the program: {exc!r}".encode())

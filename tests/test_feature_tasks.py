@@ -1,0 +1,382 @@
+"""Feature-deletion tasks: the generator on a small repository it has not seen, the store format
+and its errors, and the shipped store (tests/assets/feature_tasks)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from composer_tune.data.feature_generator import (
+    GenerationError,
+    detect_layout,
+    find_candidates,
+    function_key,
+    removal_edits,
+    spans_of_test_functions,
+)
+from composer_tune.data.feature_tasks import (
+    COUNTS_FILE,
+    FeatureTaskError,
+    apply_edits,
+    archive_path,
+    file_sha256,
+    license_path,
+    load_feature_task_dataset,
+    load_feature_tasks,
+    materialize_agent_tree,
+    materialize_tests_tree,
+)
+from composer_tune.rewards.repository import grade_repository
+from composer_tune.rewards.sandbox import SandboxLimits
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = REPO_ROOT / "tests" / "assets" / "feature_tasks"
+GRADE_LIMITS = SandboxLimits(
+    wall_time_s=60.0,
+    cpu_time_s=60.0,
+    memory_bytes=1024 * 2**20,
+    max_processes=32,
+    max_open_files=128,
+    max_output_bytes=4 * 2**20,
+)
+
+# A src-layout package with a function, a class with methods, a helper every test needs, and
+# a unittest-style test class: the generator has never seen it.
+TINY = {
+    "LICENSE": "MIT License\n\nPermission is hereby granted, free of charge, to any person ...\n",
+    "pyproject.toml": '[project]\nname = "tinylib"\nversion = "0.1"\n',
+    "src/tinylib/__init__.py": "from tinylib.text import Counter, initials, shout, wrap\n",
+    "src/tinylib/text.py": '''"""Small text helpers."""
+
+
+def _words(text):
+    return text.split()
+
+
+def initials(name):
+    """The upper-case first letters of the words of ``name``."""
+    letters = [word[0] for word in _words(name)]
+    return "".join(letters).upper()
+
+
+def shout(text, times=1):
+    """``text`` in capitals followed by ``times`` exclamation marks."""
+    return text.upper() + "!" * times
+
+
+def wrap(text, width):
+    """Split ``text`` into lines of at most ``width`` characters, breaking between words."""
+    lines, current = [], ""
+    for word in _words(text):
+        candidate = f"{current} {word}".strip()
+        if len(candidate) > width and current:
+            lines.append(current)
+            candidate = word
+        current = candidate
+    return lines + ([current] if current else [])
+
+
+class Counter:
+    """Counts words."""
+
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, text):
+        """Count the words of ``text``."""
+        for word in _words(text.lower()):
+            self.counts[word] = self.counts.get(word, 0) + 1
+        return self
+
+    def most_common(self):
+        """(word, count) pairs, most frequent first, ties alphabetical."""
+        return sorted(self.counts.items(), key=lambda pair: (-pair[1], pair[0]))
+''',
+    "tests/test_text.py": """import unittest
+
+import pytest
+
+import tinylib
+
+
+@pytest.mark.parametrize(("name", "expected"), [("ada lovelace", "AL"), ("Guido van Rossum", "GVR")])
+def test_initials(name, expected):
+    assert tinylib.initials(name) == expected
+
+
+def test_shout():
+    assert tinylib.shout("hi") == "HI!"
+    assert tinylib.shout("hey", times=3) == "HEY!!!"
+
+
+def test_wrap():
+    assert tinylib.wrap("the quick brown fox", 10) == ["the quick", "brown fox"]
+    assert tinylib.wrap("", 5) == []
+
+
+class TestCounter(unittest.TestCase):
+    def test_most_common(self):
+        counter = tinylib.Counter().add("b a b").add("A c")
+        self.assertEqual(counter.most_common(), [("a", 2), ("b", 2), ("c", 1)])
+
+    def test_add_returns_the_counter(self):
+        counter = tinylib.Counter()
+        self.assertIs(counter.add("x"), counter)
+""",
+}
+
+
+def _make_feature_tasks(*args: str) -> subprocess.CompletedProcess:
+    """tools/make_feature_tasks.py with ``args``; fails the test unless it exits 0."""
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return done
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny") / "tinylib-0.1"
+    _write(root, TINY)
+    return root
+
+
+@pytest.fixture(scope="module")
+def generated(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tool run on the folder: (store, its tasks by qualname, its counts, its output)."""
+    store = tmp_path_factory.mktemp("store")
+    done = _make_feature_tasks(str(tiny), "--store", str(store))
+    tasks = {task.feature.qualname: task for task in load_feature_tasks(store)}
+    counts = json.loads((store / COUNTS_FILE).read_text())["tinylib-0.1"]
+    return store, tasks, counts, done.stdout
+
+
+def test_layout_and_candidates_of_an_unseen_repository(tiny: Path) -> None:
+    layout = detect_layout(tiny)
+    assert (layout.import_root, layout.packages) == ("src", ("tinylib",))
+    assert layout.test_files == ("tests/test_text.py",)
+    names = [c.feature.qualname for c in find_candidates(tiny, layout)]
+    assert names == [
+        "tinylib.text",  # the module's body
+        "_words",
+        "initials",
+        "shout",
+        "wrap",
+        "Counter",
+        "Counter.add",
+        "Counter.most_common",
+    ]  # dunders are never candidates
+    wrap = next(c for c in find_candidates(tiny, layout) if c.feature.qualname == "wrap")
+    assert wrap.feature.signature == "def wrap(text, width)"
+    assert "breaking between words" in wrap.feature.docstring
+    assert (
+        wrap.deletion.replacement
+        == "    raise NotImplementedError('wrap was removed: implement it')\n"
+    )
+
+
+def test_generator_makes_validated_tasks(generated) -> None:
+    store, tasks, counts, output = generated
+    assert counts["baseline_tests"] == 6 and counts["tasks"] == len(tasks)
+    assert counts["license"] == "MIT" and license_path(store, "tinylib-0.1").is_file()
+    # _words breaks every test (too central); Counter.add fails the same tests as Counter.
+    assert {"initials", "shout", "wrap", "Counter.most_common"} <= set(tasks), output
+    assert "_words" not in tasks
+    wrap = tasks["wrap"]
+    assert wrap.hidden_tests == ("tests/test_text.py::test_wrap",)
+    assert wrap.validation["hidden_passed_original"] == 1
+    assert wrap.validation["hidden_failed_deleted"] == 1
+    assert wrap.validation["visible_passed_deleted"] == 5
+    assert "`test_wrap`" in wrap.statement and "brown fox" not in wrap.statement
+    most_common = tasks["Counter.most_common"]
+    assert most_common.hidden_tests == ("tests/test_text.py::TestCounter::test_most_common",)
+    # Duplicates are dropped: one task per set of hidden tests.
+    assert len({frozenset(t.hidden_tests) for t in tasks.values()}) == len(tasks)
+    assert counts["rejected"]["same hidden tests as an earlier task"] >= 1
+
+
+def test_agent_tree_hides_the_feature_and_its_tests(generated, tmp_path: Path) -> None:
+    store, tasks, _, _ = generated
+    task = tasks["Counter.most_common"]
+    materialize_agent_tree(store, task, tmp_path / "agent")
+    source = (tmp_path / "agent" / "src" / "tinylib" / "text.py").read_text()
+    assert "Counter.most_common was removed" in source and "-pair[1]" not in source
+    tests = (tmp_path / "agent" / "tests" / "test_text.py").read_text()
+    assert "def test_most_common" not in tests and "def test_add_returns_the_counter" in tests
+    materialize_tests_tree(store, task, tmp_path / "hidden")
+    assert not (tmp_path / "hidden" / "src" / "tinylib").exists()
+    assert "def test_most_common" in (tmp_path / "hidden" / "tests" / "test_text.py").read_text()
+    # The grader: the agent's tree fails, the original passes, as the generator checked.
+    grade = dict(
+        tests_tree=tmp_path / "hidden",
+        import_root="src",
+        packages=["tinylib"],
+        node_ids=task.hidden_tests,
+        limits=GRADE_LIMITS,
+    )
+    assert grade_repository(tmp_path / "agent", **grade).passed == 0
+    (tmp_path / "original").mkdir()
+    with tarfile.open(archive_path(store, task.repo)) as packed:
+        packed.extractall(tmp_path / "original", filter="data")
+    assert grade_repository(tmp_path / "original", **grade).all_passed
+
+
+def test_removing_every_test_of_a_class_keeps_it_valid(tiny: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    keys = [k for k in spans_of_test_functions(copy, ["tests/test_text.py"]) if "TestCounter" in k]
+    assert len(keys) == 2
+    apply_edits(copy, removal_edits(copy, keys))
+    text = (copy / "tests" / "test_text.py").read_text()
+    compile(text, "test_text.py", "exec")
+    assert "class TestCounter(unittest.TestCase):\n    pass\n" in text
+
+
+def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
+    _write(tmp_path / "notests", {"pkg/__init__.py": "X = 1\n"})
+    with pytest.raises(GenerationError, match="no test files"):
+        detect_layout(tmp_path / "notests")
+    _write(tmp_path / "nopackage", {"tests/test_x.py": "def test_x():\n    pass\n"})
+    with pytest.raises(GenerationError, match="no Python package"):
+        detect_layout(tmp_path / "nopackage")
+    inside = {"pkg/__init__.py": "", "pkg/tests/__init__.py": "", "pkg/tests/test_x.py": ""}
+    _write(tmp_path / "inside", inside)
+    with pytest.raises(GenerationError, match="tests live inside the package: not supported"):
+        detect_layout(tmp_path / "inside")
+
+
+# --------------------------------------------------------------------------------------------
+# The store format
+
+
+def _row(store: Path) -> dict:
+    return json.loads((store / "tasks.jsonl").read_text().splitlines()[0])
+
+
+@pytest.fixture
+def small_store(generated, tmp_path: Path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(generated[0], copy)
+    return copy
+
+
+def test_store_round_trip_and_samples(small_store: Path) -> None:
+    tasks = load_feature_tasks(small_store)
+    samples = load_feature_task_dataset(small_store)
+    assert [s["id"] for s in samples] == [t.id for t in tasks]
+    wrap = next(s for s in samples if s["id"].endswith(":wrap"))
+    assert wrap["prompt"][1]["content"] == next(t for t in tasks if t.id == wrap["id"]).statement
+    assert 'candidate = f"{current} {word}".strip()' in wrap["solution"]  # the removed code
+    with pytest.raises(FeatureTaskError, match="no tasks for repos"):
+        load_feature_task_dataset(small_store, repos=["nosuchrepo"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda row: row.pop("hidden_tests"), "missing field(s) hidden_tests"),
+        (lambda row: row.update(extra=1), "unknown field(s) extra"),
+        (lambda row: row.update(import_root="lib"), "'import_root' must be"),
+        (lambda row: row["feature"].update(kind="macro"), "'feature.kind' must be one of"),
+        (lambda row: row["deletion"].update(file="../escape.py"), "must stay inside"),
+        (lambda row: row["deletion"].update(start=9, end=3), "start <= end"),
+        (lambda row: row.update(repo="../x"), "'repo' must be a plain name"),
+    ],
+)
+def test_malformed_tasks_name_file_line_and_field(small_store: Path, change, message) -> None:
+    row = _row(small_store)
+    change(row)
+    path = small_store / "tasks.jsonl"
+    path.write_text(path.read_text() + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(FeatureTaskError) as error:
+        load_feature_tasks(small_store)
+    assert str(error.value).startswith(f"{path}:")
+    assert message in str(error.value)
+
+
+def test_store_damage_is_reported(small_store: Path, tmp_path: Path) -> None:
+    path = small_store / "tasks.jsonl"
+    first = path.read_text().splitlines()[0]
+    path.write_text(first + "\n" + first + "\n")
+    with pytest.raises(FeatureTaskError, match=r":2: duplicate id"):
+        load_feature_tasks(small_store)
+    path.write_text(first + "\n")
+    [task] = load_feature_tasks(small_store)
+    archive = archive_path(small_store, task.repo)
+    archive.write_bytes(archive.read_bytes()[:-10])
+    with pytest.raises(FeatureTaskError, match="sha256 does not match"):
+        materialize_agent_tree(small_store, task, tmp_path / "tree")
+    archive.unlink()
+    with pytest.raises(FeatureTaskError, match="missing source"):
+        load_feature_tasks(small_store)
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped store
+
+
+def test_shipped_store_counts_licences_and_size() -> None:
+    tasks = load_feature_tasks(SHIPPED)
+    counts = json.loads((SHIPPED / COUNTS_FILE).read_text())
+    assert len(counts) >= 3
+    for repo, entry in counts.items():
+        assert entry["tasks"] == sum(task.repo == repo for task in tasks) > 0, repo
+        assert entry["license"] in ("MIT", "BSD", "Apache-2.0", "ISC"), repo
+        assert license_path(SHIPPED, repo).read_text().strip(), repo
+    for task in tasks:
+        assert file_sha256(archive_path(SHIPPED, task.repo)) == task.source_sha256
+    size = sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file())
+    assert size < 3 * 2**20  # each source once, tasks as edits
+
+
+def test_every_shipped_task_materializes(tmp_path: Path) -> None:
+    for index, task in enumerate(load_feature_tasks(SHIPPED)):
+        tree = tmp_path / str(index)
+        materialize_agent_tree(SHIPPED, task, tree)
+        damaged = (tree / task.deletion.file).read_text()
+        assert task.deletion.replacement in damaged, task.id
+        files = sorted({node.split("::", 1)[0] for node in task.hidden_tests})
+        remaining = spans_of_test_functions(tree, files)
+        for node in task.hidden_tests:
+            assert function_key(node) not in remaining, (task.id, node)
+
+
+@pytest.mark.slow  # regenerates every candidate of one shipped source (minutes on 2 cores)
+def test_regenerating_a_shipped_source_reproduces_its_tasks(tmp_path: Path) -> None:
+    repo = next(
+        name
+        for name in json.loads((SHIPPED / COUNTS_FILE).read_text())
+        if name.startswith("inflection")
+    )
+    store = tmp_path / "store"
+    (store / "sources").mkdir(parents=True)
+    shutil.copy(archive_path(SHIPPED, repo), archive_path(store, repo))
+    _make_feature_tasks("--regenerate", "--store", str(store))
+    shipped = [t.to_json() for t in load_feature_tasks(SHIPPED) if t.repo == repo]
+    assert [t.to_json() for t in load_feature_tasks(store)] == shipped
+    assert archive_path(store, repo).read_bytes() == archive_path(SHIPPED, repo).read_bytes()
+
+
+@pytest.mark.slow  # grades all 52 shipped tasks twice (about 3 minutes on 2 cores)
+def test_every_shipped_task_validates_under_the_current_grader() -> None:
+    done = _make_feature_tasks("--check", "--store", str(SHIPPED))
+    assert (
+        f"{len(load_feature_tasks(SHIPPED))} of {len(load_feature_tasks(SHIPPED))} tasks validate"
+        in done.stdout
+    )

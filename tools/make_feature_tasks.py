@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Make feature-deletion tasks from Python repositories with a pytest suite.
+
+Each SOURCE is a folder (a checkout or an unpacked sdist), an sdist archive (.tar.gz, .zip),
+or pypi:NAME==VERSION (the sdist is downloaded with pip now, at generation time; training
+never downloads anything). Its package and tests are stored once in the task store as
+sources/<repo>.tar.gz beside its licence (sources/<repo>.LICENSE); each task is a small edit
+of it (the deletion, and the hidden tests cut out of the agent's test files). How tasks are
+chosen and validated: composer_tune/data/feature_generator.py; the format:
+composer_tune/data/feature_tasks.py; README "Feature-deletion tasks".
+
+A repository's tasks replace its earlier ones in tasks.jsonl; counts.json holds, per source,
+the baseline tests, the candidates found, the tasks kept and why the others were rejected.
+Files are written beside their final names and renamed, so an interrupted run keeps the old
+store.
+
+--check validates every stored task again instead (after a change to the grader, say): its
+hidden tests must all pass on the original and all fail on the agent's tree, through the split
+grader; it prints one line per task and exits 1 if any task fails.
+
+Examples:
+    python tools/make_feature_tasks.py pypi:inflection==0.5.1 --store tests/assets/feature_tasks
+    python tools/make_feature_tasks.py ~/src/myproject --name myproject-1.0 --store my_tasks
+    python tools/make_feature_tasks.py --regenerate --store tests/assets/feature_tasks
+    python tools/make_feature_tasks.py --check --store tests/assets/feature_tasks
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# Runnable as a script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from composer_tune.data.feature_generator import (  # noqa: E402
+    GenerationError,
+    GenerationSettings,
+    detect_layout,
+    filter_source,
+    generate_tasks,
+)
+from composer_tune.data.feature_tasks import (  # noqa: E402
+    COUNTS_FILE,
+    TASKS_FILE,
+    FeatureTask,
+    FeatureTaskError,
+    archive_path,
+    extract_archive,
+    license_path,
+    load_feature_tasks,
+    materialize_agent_tree,
+    materialize_tests_tree,
+    parse_task,
+    write_archive,
+)
+from composer_tune.rewards.repository import grade_repository  # noqa: E402
+
+_LICENSE_NAMES = re.compile(r"^(LICEN[CS]E|COPYING)(\.(txt|md|rst))?$", re.IGNORECASE)
+_COPYLEFT = re.compile(r"GNU (AFFERO |LESSER )?GENERAL PUBLIC|Mozilla Public License", re.I)
+_KNOWN_LICENSES = [
+    ("MIT", re.compile(r"Permission is hereby granted, free of charge", re.I)),
+    ("Apache-2.0", re.compile(r"Apache License,?\s+Version 2\.0", re.I)),
+    ("BSD", re.compile(r"Redistribution and use in source and binary forms", re.I)),
+    ("ISC", re.compile(r"Permission to use, copy, modify, and/or distribute", re.I)),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "sources", nargs="*", metavar="SOURCE", help="folder, sdist or pypi:NAME==VER"
+    )
+    parser.add_argument("--store", type=Path, required=True, help="the task store folder")
+    parser.add_argument(
+        "--name", help="repository name for a single folder SOURCE (default: its name)"
+    )
+    parser.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="make every stored source's tasks again from its archive (no download)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="validate the stored tasks again, then exit"
+    )
+    parser.add_argument("--max-tasks", type=int, default=20, help="tasks kept per repository")
+    parser.add_argument(
+        "--max-candidates", type=int, default=400, help="candidates considered per repository"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="candidates tried at once")
+    parser.add_argument(
+        "--allow-copyleft",
+        action="store_true",
+        help="accept GPL/LGPL/AGPL/MPL sources (refused by default)",
+    )
+    return parser
+
+
+def _license(root: Path) -> Path:
+    found = sorted(p for p in root.iterdir() if p.is_file() and _LICENSE_NAMES.match(p.name))
+    if not found:
+        raise GenerationError(f"{root}: no LICENSE/COPYING file; tasks keep their source's licence")
+    return found[0]
+
+
+def license_kind(text: str) -> str:
+    """A short name for a licence text (MIT, BSD, Apache-2.0, ISC, copyleft or unknown)."""
+    if _COPYLEFT.search(text):
+        return "copyleft"
+    return next((name for name, pattern in _KNOWN_LICENSES if pattern.search(text)), "unknown")
+
+
+def _unpack(archive: Path, destination: Path) -> Path:
+    """Unpack an sdist (regular files only, paths inside) and return its top folder."""
+    if archive.suffix == ".zip":
+        with zipfile.ZipFile(archive) as packed:
+            for member in packed.infolist():
+                target = destination / member.filename
+                if (
+                    member.is_dir()
+                    or ".." in Path(member.filename).parts
+                    or member.filename.startswith("/")
+                ):
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(packed.read(member))
+    else:
+        with tarfile.open(archive) as packed:
+            packed.extractall(destination, filter="data")
+    entries = [p for p in destination.iterdir() if p.is_dir()]
+    return entries[0] if len(entries) == 1 else destination
+
+
+def _download(requirement: str, into: Path) -> Path:
+    """The sdist of ``requirement`` (NAME==VERSION) from the package index, via pip."""
+    if "==" not in requirement:
+        raise GenerationError(f"pypi:{requirement}: pin a version (pypi:NAME==VERSION)")
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--quiet",
+        "--dest",
+        str(into),
+        requirement,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    archives = [p for p in into.iterdir() if p.suffix in (".gz", ".zip")]
+    if done.returncode != 0 or len(archives) != 1:
+        raise GenerationError(
+            f"pip could not download the sdist of {requirement}: {done.stderr[-500:]}"
+        )
+    return archives[0]
+
+
+def _resolve(source: str, scratch: Path, name: str | None) -> tuple[Path, str]:
+    """(folder, repo name) of one SOURCE argument."""
+    if source.startswith("pypi:"):
+        archive = _download(source[len("pypi:") :], Path(tempfile.mkdtemp(dir=scratch)))
+        folder = _unpack(archive, Path(tempfile.mkdtemp(dir=scratch)))
+        return folder, folder.name
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path, name or path.resolve().name
+    if path.is_file():
+        folder = _unpack(path, Path(tempfile.mkdtemp(dir=scratch)))
+        return folder, name or folder.name
+    raise GenerationError(f"{source}: not a folder, an sdist or pypi:NAME==VERSION")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".partial")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _read_store(store: Path) -> tuple[list[dict], dict]:
+    tasks_file, counts_file = store / TASKS_FILE, store / COUNTS_FILE
+    rows = []
+    if tasks_file.is_file():
+        for number, line in enumerate(tasks_file.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                    parse_task(rows[-1])
+                except ValueError as err:
+                    raise GenerationError(f"{tasks_file}:{number}: {err}") from None
+    counts = json.loads(counts_file.read_text()) if counts_file.is_file() else {}
+    return rows, counts
+
+
+def make_repo(
+    folder: Path, repo: str, store: Path, settings: GenerationSettings, allow_copyleft: bool
+) -> tuple[list[dict], dict]:
+    """Store ``folder``'s filtered source and licence; return its tasks (JSON rows) and counts."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", repo):
+        raise GenerationError(f"repository name {repo!r}: use letters, digits and . _ + -")
+    licence = _license(folder)
+    kind = license_kind(licence.read_text(encoding="utf-8", errors="replace"))
+    if kind == "copyleft" and not allow_copyleft:
+        raise GenerationError(f"{repo}: copyleft licence ({licence.name}); pass --allow-copyleft")
+    layout = detect_layout(folder)
+    with tempfile.TemporaryDirectory(prefix="composer-featuresrc-") as scratch:
+        filtered = Path(scratch) / repo
+        filter_source(folder, filtered, layout)
+        shutil.copyfile(licence, filtered / licence.name)
+        archive = archive_path(store, repo)
+        partial = archive.with_name(archive.name + ".partial")
+        sha256 = write_archive(filtered, partial)
+        # Tasks are made from the archive's own contents, exactly what training unpacks.
+        unpacked = Path(scratch) / "unpacked"
+        extract_archive(partial, unpacked, sha256)
+        report = generate_tasks(unpacked, repo, sha256, settings, progress=print)
+        os.replace(partial, archive)
+        shutil.copyfile(licence, license_path(store, repo))
+    counts = {
+        "license": kind,
+        "baseline_tests": report.baseline_passed,
+        "candidates": report.candidates,
+        "tasks": len(report.tasks),
+        "rejected": dict(sorted(report.rejected.items())),
+    }
+    return [json.loads(task.to_json()) for task in report.tasks], counts
+
+
+def check_store(store: Path, settings: GenerationSettings) -> int:
+    """Grade every stored task's original and agent trees; the number of tasks that fail."""
+    tasks = load_feature_tasks(store)
+    with tempfile.TemporaryDirectory(prefix="composer-featurecheck-") as scratch:
+        scratch = Path(scratch)
+        tests_trees: dict[str, Path] = {}
+        for task in tasks:
+            if task.repo not in tests_trees:
+                tests_trees[task.repo] = scratch / "tests" / task.repo
+                materialize_tests_tree(store, task, tests_trees[task.repo])
+
+        def check(index_task: tuple[int, FeatureTask]) -> str:
+            index, task = index_task
+            original, agent = scratch / f"original{index}", scratch / f"agent{index}"
+            extract_archive(archive_path(store, task.repo), original, task.source_sha256)
+            materialize_agent_tree(store, task, agent)
+            grade = functools.partial(
+                grade_repository,
+                tests_tree=tests_trees[task.repo],
+                import_root=task.import_root,
+                packages=task.packages,
+                node_ids=task.hidden_tests,
+                limits=settings.grade_limits,
+            )
+            passed, left = grade(original).passed, grade(agent).passed
+            total = len(task.hidden_tests)
+            verdict = "ok" if (passed, left) == (total, 0) else "FAILED"
+            return f"{verdict} {task.id}: original {passed}/{total}, agent's tree {left}/{total}"
+
+        with ThreadPoolExecutor(max_workers=settings.workers) as pool:
+            lines = list(pool.map(check, enumerate(tasks)))
+    for line in lines:
+        print(line)
+    failed = sum(line.startswith("FAILED") for line in lines)
+    print(f"{store}: {len(tasks) - failed} of {len(tasks)} tasks validate")
+    return failed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.sources and not args.regenerate and not args.check:
+        print("error: give SOURCE arguments, --regenerate or --check", file=sys.stderr)
+        return 2
+    if args.name and len(args.sources) != 1:
+        print("error: --name needs exactly one SOURCE", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    # A terminated run unwinds (temporary folders removed, the old store kept).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    settings = GenerationSettings(
+        max_tasks=args.max_tasks, max_candidates=args.max_candidates, workers=args.workers
+    )
+    store: Path = args.store
+    if args.check:
+        try:
+            return 1 if check_store(store, settings) else 0
+        except FeatureTaskError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    try:
+        rows, counts = _read_store(store)
+        with tempfile.TemporaryDirectory(prefix="composer-featuretool-") as scratch:
+            scratch = Path(scratch)
+            work = [_resolve(source, scratch, args.name) for source in args.sources]
+            if args.regenerate:
+                for archive in sorted((store / "sources").glob("*.tar.gz")):
+                    folder = scratch / "regenerate" / archive.name
+                    extract_archive(archive, folder)
+                    work.append((folder, archive.name.removesuffix(".tar.gz")))
+            for folder, repo in work:
+                print(f"{repo}: making tasks from {folder}")
+                repo_rows, counts[repo] = make_repo(
+                    folder, repo, store, settings, args.allow_copyleft
+                )
+                rows = [row for row in rows if row["repo"] != repo] + repo_rows
+                rows.sort(key=lambda row: (row["repo"], row["id"]))
+                _write_atomic(
+                    store / TASKS_FILE, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+                )
+                _write_atomic(
+                    store / COUNTS_FILE, json.dumps(dict(sorted(counts.items())), indent=2) + "\n"
+                )
+                print(f"{repo}: {counts[repo]['tasks']} tasks ({counts[repo]})")
+    except GenerationError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    total = sum(entry["tasks"] for entry in counts.values())
+    print(f"{store}: {total} tasks from {len(counts)} repositories")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
