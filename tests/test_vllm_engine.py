@@ -155,7 +155,7 @@ def test_a_weight_push_gathers_one_full_tensor_at_a_time() -> None:
     state = model.state_dict()
     model.state_dict = lambda: {name: Shard(name, value) for name, value in state.items()}
     taken = 0
-    for _, tensor in _streamed_hf_weights(model, model.config, torch.bfloat16):
+    for _, tensor in _streamed_hf_weights(model, torch.bfloat16):
         taken += 1
         assert len(gathered) == taken  # nothing gathered ahead of the engine
         assert tensor.dtype == torch.bfloat16  # in the engine's dtype: no per-tensor warning
