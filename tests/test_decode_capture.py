@@ -287,3 +287,23 @@ def test_autocast_weights_are_cast_once_per_call_not_once_per_token() -> None:
         generate(model, PROMPTS, max_new_tokens=12, pad_id=PAD, greedy=True)
     # Every matrix once (the tied embedding as the output projection), over 12 forwards.
     assert counter.casts == len(matrices)
+
+
+def test_graphs_are_chosen_for_dense_span_reading_decoders_only() -> None:
+    from torchtune.models.qwen2._component_builders import qwen2
+
+    assert generation._capturable(_native())
+    assert generation._capturable(_transformers("llama_tied"))
+    assert not generation._capturable(_transformers("qwen3_moe"))  # routes tokens by value
+    torchtune_own = qwen2(
+        vocab_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        embed_dim=16,
+        intermediate_dim=32,
+        max_seq_len=64,
+    )
+    assert not generation._capturable(torchtune_own)  # its cache reads its position back
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
+        generate(_native(), PROMPTS, max_new_tokens=2, pad_id=PAD, cuda_graphs=True)

@@ -391,7 +391,8 @@ def _sample_column(
     state.logprobs.index_copy_(1, state.column, (token_logprobs * active)[:, None])
     state.lengths += active
     state.nonfinite |= nonfinite
-    state.finished |= torch.isin(tokens, state.stop_tokens)  # finished rows stay finished
+    # Finished rows stay finished. (Not torch.isin: for larger sets it sorts with a sync.)
+    state.finished |= (tokens[:, None] == state.stop_tokens[None, :]).any(dim=-1)
     state.column += 1
 
 
@@ -573,7 +574,9 @@ def generate(
             rows are done), as a model sharded with FSDP needs; ``max_new_tokens``,
             ``prefill_chunk`` and the other settings must match across ranks.
         cuda_graphs: replay the decode steps as CUDA graphs (:mod:`.step_capture`). None: on
-            CUDA unless ``sync_ranks`` (a sharded model's forwards are collectives).
+            CUDA, for composer-tune's dense decoders (native, or a ``transformers`` model
+            without experts), unless ``sync_ranks`` (a sharded model's forwards are
+            collectives).
         sync_every: decode steps between the host's checks whether every row has finished.
             None: :data:`CUDA_SYNC_EVERY` on CUDA, 1 elsewhere (a CPU loses nothing by it).
 
@@ -602,6 +605,8 @@ def generate(
     if sync_ranks and not (dist.is_available() and dist.is_initialized()):
         raise ValueError("sync_ranks=True needs an initialised torch.distributed process group")
     device, dtype = _model_device_and_dtype(model)
+    if cuda_graphs is None:
+        cuda_graphs = device.type == "cuda" and not sync_ranks and _capturable(model)
     capture = _step_capture(device, cuda_graphs, sync_ranks, generator)
     if sync_every is None:
         sync_every = CUDA_SYNC_EVERY if device.type == "cuda" else 1
@@ -668,15 +673,20 @@ def generate(
     )
 
 
+def _capturable(model: nn.Module) -> bool:
+    """Whether ``model``'s decode step can be captured: a cached forward that reads a fixed span
+    of its cache and writes it at a device-side position (composer-tune's decoders), and no
+    data-dependent shapes (a mixture of experts routes tokens by value)."""
+    return getattr(model, "reads_cache_span", False) and getattr(model, "moe", None) is None
+
+
 def _step_capture(
     device: torch.device,
-    cuda_graphs: bool | None,
+    cuda_graphs: bool,
     sync_ranks: bool,
     generator: torch.Generator | None,
 ) -> StepCapture | None:
     """How decode steps are captured for replay (None: they run eagerly)."""
-    if cuda_graphs is None:
-        cuda_graphs = device.type == "cuda" and not sync_ranks
     if not cuda_graphs:
         return None
     if device.type != "cuda":
