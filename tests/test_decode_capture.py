@@ -11,6 +11,7 @@ tests in test_generation.py check against full recomputation and transformers' g
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
+from torchtune.modules import TiedLinear
 
 from composer_tune.models import qwen3_tiny
 from composer_tune.models.build import enable_autocast
@@ -264,29 +266,53 @@ def test_captured_sampling_follows_the_models_distribution(traced) -> None:
     assert traced.captures == 0  # two tokens: the one decode step is an eager warm-up step
 
 
-class _WeightCasts(TorchDispatchMode):
-    """Counts dtype conversions of the given parameters."""
+class _OpCounter(TorchDispatchMode):
+    """Counts casts of the given parameters and oneDNN weight reorders."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
         self.ids = {id(p) for p in params}
         self.casts = 0
+        self.reorders = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
             self.casts += 1
+        if func is torch.ops.mkldnn._reorder_linear_weight.default:
+            self.reorders += 1
         return func(*args, **(kwargs or {}))
 
 
-def test_autocast_weights_are_cast_once_per_call_not_once_per_token() -> None:
+def _bf16_native() -> nn.Module:
     model = _native()
     enable_autocast(model, "bf16", torch.device("cpu"))
+    return model
+
+
+def test_autocast_weights_are_cast_once_per_call_not_once_per_token(monkeypatch) -> None:
+    monkeypatch.setattr(generation, "_packed_cpu_linears", lambda *_: contextlib.nullcontext())
+    model = _bf16_native()
     matrices = [p for p in model.parameters() if p.dim() == 2]
-    counter = _WeightCasts(matrices)
-    with counter:
+    with _OpCounter(matrices) as counter:
         generate(model, PROMPTS, max_new_tokens=12, pad_id=PAD, greedy=True)
     # Every matrix once (the tied embedding as the output projection), over 12 forwards.
     assert counter.casts == len(matrices)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 on this CPU"
+)
+def test_packed_cpu_weights_decode_the_same_tokens_and_are_packed_once(monkeypatch) -> None:
+    model = _bf16_native()
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    with _OpCounter([]) as counter:
+        packed = generate(model, PROMPTS, max_new_tokens=12, pad_id=PAD, greedy=True)
+    assert counter.reorders == len(linears) + 1  # and the tied output head, once per call
+    assert all("forward" not in vars(linear) for linear in linears)  # restored
+    assert isinstance(model.output, TiedLinear)
+    monkeypatch.setattr(generation, "_packed_cpu_linears", lambda *_: contextlib.nullcontext())
+    plain = generate(model, PROMPTS, max_new_tokens=12, pad_id=PAD, greedy=True)
+    assert packed.completions == plain.completions
 
 
 def test_graphs_are_chosen_for_dense_span_reading_decoders_only() -> None:
