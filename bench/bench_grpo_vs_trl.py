@@ -199,6 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each point a subprocess; writes --sweep-out (.json and .png)",
     )
     parser.add_argument("--sweep-out", default=str(REPO_ROOT / "docs" / "bench_grpo_vs_trl_sweep"))
+    parser.add_argument(
+        "--sweep-work",
+        default=str(REPO_ROOT / "outputs" / "bench_grpo_vs_trl_sweep"),
+        help="each finished point's figures; a point whose command is unchanged is not rerun "
+        "(delete the folder to measure every point again)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "trl" or a variant's index
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -939,7 +945,9 @@ def sweep(args: argparse.Namespace) -> None:
     """Every SWEEP_POINTS point in a subprocess (its own engines and memory), every completion
     running to the cap, then (``--model smollm2``) an agent-episode point (``--episodes``, group
     size 4 as its config); writes ``--sweep-out`` .json (all figures), .md (the table) and .png
-    (the curves). Peak memory per point unless ``--skip-memory``."""
+    (the curves). Peak memory per point unless ``--skip-memory``. Finished points are kept in
+    ``--sweep-work``, so a sweep cut short (out of memory on a shared machine) goes on where it
+    stopped."""
     runs: list[tuple[str, dict[str, Any]]] = [
         (f"{tokens}_{group}", {"max_new_tokens": tokens, "group_size": group, "no_stop": True})
         for tokens, group in SWEEP_POINTS
@@ -949,18 +957,27 @@ def sweep(args: argparse.Namespace) -> None:
         episodes = {"episodes": True, "group_size": 4, "max_new_tokens": budget, "no_stop": False}
         runs.append(("episodes", episodes))
     points = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, changes in runs:
-            point = argparse.Namespace(**{**vars(args), **changes})
-            out = Path(tmp) / f"{name}.json"
-            argv = [sys.executable, __file__, *common_argv(point)]
-            argv += ["--memory-steps", str(args.memory_steps)]
-            argv += ["--skip-memory"] if args.skip_memory else []
-            for variant in args.variant:
-                argv += ["--variant", variant]
-            print(f"sweep: {name} ({' '.join(argv[2:])})", flush=True)
-            subprocess.run([*argv, "--json", str(out)], check=True, cwd=REPO_ROOT)
-            points.append(json.loads(out.read_text()))
+    work = Path(args.sweep_work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name, changes in runs:
+        point = argparse.Namespace(**{**vars(args), **changes})
+        argv = [*common_argv(point), "--memory-steps", str(args.memory_steps)]
+        argv += ["--skip-memory"] if args.skip_memory else []
+        for variant in args.variant:
+            argv += ["--variant", variant]
+        # A point measured by this very command before (a sweep cut short) is kept.
+        out = work / f"{name}.json"
+        done = json.loads(out.read_text()) if out.is_file() else {}
+        if done.get("argv") != argv:
+            print(f"sweep: {name}: bench_grpo_vs_trl.py {' '.join(argv)}", flush=True)
+            subprocess.run(
+                [sys.executable, __file__, *argv, "--json", str(out)], check=True, cwd=REPO_ROOT
+            )
+            done = {"argv": argv, **json.loads(out.read_text())}
+            out.write_text(json.dumps(done, indent=1))
+        else:
+            print(f"sweep: {name}: measured before with the same command, {out}", flush=True)
+        points.append(done)
     base = Path(args.sweep_out)
     base.parent.mkdir(parents=True, exist_ok=True)
     base.with_suffix(".json").write_text(json.dumps(points, indent=1))
