@@ -53,8 +53,10 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/bench_grpo_vs_trl.py` from a
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from transformers.utils import get_json_schema  # noqa: E402
 
 from composer_tune import config  # noqa: E402
+from composer_tune.agents import calculator  # noqa: E402
 from composer_tune.checkpointing import save_hf_checkpoint  # noqa: E402
 from composer_tune.data.synthetic import SyntheticArithmetic  # noqa: E402
 from composer_tune.data.tokenizer import ChatTokenizer  # noqa: E402
@@ -99,6 +101,10 @@ SMOLLM2_VARIANTS = [
 ]
 # --sweep: (max new tokens, group size) points; every completion runs to the cap.
 SWEEP_POINTS = [(24, 8), (64, 8), (128, 8), (256, 8), (24, 4), (24, 16)]
+# --episodes: the SmolLM2 calculator-tool task (grpo smollm2_tools: up to 3 turns, 40 tokens a
+# turn, 120 an episode) from its A0 tool-use SFT checkpoint, which --a0-dir holds or gets.
+EPISODE_CONFIG = REPO_ROOT / "recipes" / "configs" / "grpo" / "smollm2_tools.yaml"
+A0_SECTION = {"recipe": "recipes/sft.py", "config": "smollm2_tools"}
 NOT_EQUAL = [
     "generation: TRL calls transformers' generate (HF KV cache, its sampling processors); "
     "composer-tune its own KV-cache generate or the vLLM engine. Same distribution, different "
@@ -113,6 +119,14 @@ NOT_EQUAL = [
     "framework overhead: TRL's step includes Trainer/accelerate bookkeeping and its metric "
     "gathering; composer-tune's includes the recipe's metric reduction.",
 ]
+EPISODES_NOT_EQUAL = (
+    "--episodes: both sides run up to 3 assistant turns of at most 40 tokens and 120 tokens "
+    "after the prompt (TRL: generation_kwargs max_new_tokens=40, max_tool_calling_iterations=2, "
+    "max_completion_length=120), render with the same ChatML + Hermes template and call the "
+    "same calculate function; TRL parses the calls with Qwen's response template (the same "
+    "<tool_call>{json}</tool_call> format), composer-tune with its own parser. Completion "
+    "tokens count the model's own tokens (tool output excluded) on both sides."
+)
 NO_STOP_NOT_EQUAL = (
     "--no-stop: TRL suppresses the stop tokens until the cap (min_new_tokens), composer-tune "
     "samples them but does not stop on them: same lengths, slightly different distributions."
@@ -159,6 +173,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-stop", action="store_true", help="every completion runs to --max-new-tokens"
     )
+    parser.add_argument(
+        "--episodes",
+        action="store_true",
+        help="--model smollm2: agent episodes of the calculator task (grpo smollm2_tools, up to "
+        "3 turns) from its A0 SFT checkpoint; TRL runs them through environment_factory",
+    )
+    parser.add_argument(
+        "--a0-dir",
+        default=str(REPO_ROOT / "outputs" / "sft_smollm2_tools"),
+        help="--episodes: the A0 run (sft smollm2_tools) to start from, trained there if absent",
+    )
     parser.add_argument("--skip-memory", action="store_true", help="no peak-memory subprocesses")
     parser.add_argument(
         "--memory-steps", type=int, default=2, help="steps of each peak-memory subprocess"
@@ -174,12 +199,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each point a subprocess; writes --sweep-out (.json and .png)",
     )
     parser.add_argument("--sweep-out", default=str(REPO_ROOT / "docs" / "bench_grpo_vs_trl_sweep"))
+    parser.add_argument(
+        "--sweep-work",
+        default=str(REPO_ROOT / "outputs" / "bench_grpo_vs_trl_sweep"),
+        help="each finished point's figures; a point whose command is unchanged is not rerun "
+        "(delete the folder to measure every point again)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "trl" or a variant's index
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     smollm2 = args.model == "smollm2"
+    if args.episodes and (not smollm2 or args.no_stop):
+        parser.error("--episodes is for --model smollm2, whose episodes end as the model ends them")
+    if args.episodes and args.max_new_tokens is None:
+        args.max_new_tokens = OmegaConf.load(EPISODE_CONFIG).agent.max_episode_tokens
     if args.prompts is None:
-        args.prompts = 2 if args.sweep else 8 if smollm2 else 4
+        args.prompts = 2 if args.sweep or args.episodes else 8 if smollm2 else 4
     if args.max_new_tokens is None:
         args.max_new_tokens = 24 if smollm2 else 16
     if not args.variant:
@@ -210,6 +245,14 @@ def variant_label(args: argparse.Namespace, index: int) -> str:
 def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> Path:
     """The Hugging Face directory both frameworks load: SmolLM2 from the cache, or a random
     Qwen3 of ``--model`` with the test tokenizer saved under ``workdir``."""
+    if args.episodes:
+        from composer_tune.checkpointing.warm_start import WarmStartSection, resolve_warm_start
+        from composer_tune.distributed import DistInfo
+
+        section = WarmStartSection(**A0_SECTION, output_dir=args.a0_dir)
+        return resolve_warm_start(
+            section, DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
+        )
     if args.model == "smollm2":
         from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
 
@@ -241,7 +284,7 @@ def prompt_samples(args: argparse.Namespace) -> list[dict[str, Any]]:
     steps = args.warmup + args.repeats
     count = args.prompts * steps
     if args.model == "smollm2":
-        section = OmegaConf.load(SMOLLM2_CONFIG).dataset
+        section = OmegaConf.load(EPISODE_CONFIG if args.episodes else SMOLLM2_CONFIG).dataset
         dataset = config.instantiate(section, num_samples=count, seed=args.seed)
     else:
         dataset = SyntheticArithmetic(split="train", num_samples=count, seed=args.seed)
@@ -373,12 +416,15 @@ def composer_overrides(args: argparse.Namespace, checkpoint: Path, output_dir: P
         # The recipe's own dataset is never read (the bench feeds the prompts): keep it small.
         f"dataset.num_samples={args.prompts}",
     ]
+    autocast = f"autocast={'bf16' if args.precision == 'bf16' else 'null'}"
+    if args.episodes:  # the A0 checkpoint instead of training it as the config's warm start
+        return [*common, "warm_start=null", f"checkpoint.initial_checkpoint={checkpoint}", autocast]
     if args.model == "smollm2":
         return [
             *common,
             # Room for the ~50-token prompt and the completion (the config's 256 fits 24).
             f"model.max_seq_len={max(256, 128 + args.max_new_tokens)}",
-            f"autocast={'bf16' if args.precision == 'bf16' else 'null'}",
+            autocast,
         ]
     return [
         *common,
@@ -399,8 +445,9 @@ class ComposerStep:
     ) -> None:
         from recipes.grpo import GRPOConfig, GRPORecipe
 
+        name = "smollm2_tools" if args.episodes else "smollm2" if args.model == "smollm2" else None
         cfg = config.load_config(
-            "smollm2" if args.model == "smollm2" else "cpu_smoke",
+            name or "cpu_smoke",
             [*composer_overrides(args, checkpoint, output_dir), *variant.split()],
             recipe_file=REPO_ROOT / "recipes" / "grpo.py",
             schema=GRPOConfig,
@@ -420,7 +467,9 @@ class ComposerStep:
         for _, step in batch.optimizer_steps(1, 1):
             recipe._optimizer_step(step)
             recipe.run.progress.step += 1
-        self.completion_tokens.append(float(rollout.completion_lengths.float().mean()))
+        # The model's own tokens per row, as TRL counts them (an episode's tool output is
+        # outside the completion mask).
+        self.completion_tokens.append(float(rollout.completion_mask.sum(dim=-1).float().mean()))
 
     def close(self) -> None:
         # The engine only: the recipe's cleanup would also destroy the process group, which
@@ -441,7 +490,7 @@ def build_trl_trainer(
 ) -> Any:
     """A ``trl.GRPOTrainer`` set to do composer-tune's step (see the module doc)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     reward = MathAnswerReward()
@@ -451,6 +500,14 @@ def build_trl_trainer(
         return [r.score for r in reward(texts, [{"answer": a} for a in answer])]
 
     thinking = enable_thinking(args)
+    generation_kwargs = {"min_new_tokens": args.max_new_tokens} if args.no_stop else None
+    episode_kwargs: dict[str, Any] = {}
+    if args.episodes:
+        agent = OmegaConf.load(EPISODE_CONFIG).agent
+        # The episode budget as composer-tune's: max_completion_length caps TRL's whole
+        # multi-turn completion (tool responses included), each generation call one turn.
+        generation_kwargs = {"max_new_tokens": agent.max_tokens_per_turn}
+        episode_kwargs["max_tool_calling_iterations"] = agent.max_turns - 1
     trl_config = GRPOConfig(
         output_dir=str(output_dir),
         seed=args.seed,
@@ -464,7 +521,8 @@ def build_trl_trainer(
         temperature=args.temperature,
         top_p=1.0,
         top_k=0,
-        generation_kwargs={"min_new_tokens": args.max_new_tokens} if args.no_stop else None,
+        generation_kwargs=generation_kwargs,
+        **episode_kwargs,
         learning_rate=args.lr,
         adam_beta1=0.9,
         adam_beta2=0.99,
@@ -493,7 +551,7 @@ def build_trl_trainer(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    tokenizer = trl_tokenizer(args, checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     dataset = Dataset.from_list([{"prompt": s["prompt"], "answer": s["answer"]} for s in samples])
     return GRPOTrainer(
@@ -503,7 +561,40 @@ def build_trl_trainer(
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
+        environment_factory=CalculatorEnvironment if args.episodes else None,
     )
+
+
+class CalculatorEnvironment:
+    """The calculator task in TRL's ``environment_factory`` shape: no state, one tool, the
+    very function (and so the schema) composer-tune's ``agent.tools`` calls."""
+
+    def reset(self, **_: Any) -> None:
+        return None
+
+    def calculate(self, expression: str) -> str:
+        return calculator.calculate(expression)
+
+    calculate.__doc__ = calculator.calculate.__doc__
+
+
+def trl_tokenizer(args: argparse.Namespace, checkpoint: Path) -> Any:
+    """The tokenizer TRL renders with: the checkpoint's, or for --episodes SmolLM2's with the
+    ChatML + Hermes tool template composer-tune's episodes use, and Qwen's tool-call parser
+    (the same ``<tool_call>{json}</tool_call>`` format; TRL knows no parser for SmolLM2)."""
+    from transformers import AutoTokenizer
+
+    if not args.episodes:
+        return AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    from trl.chat_template_utils import qwen3_template
+
+    from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+    from composer_tune.data.tokenizer import NAMED_CHAT_TEMPLATES
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint(), padding_side="left")
+    tokenizer.chat_template = Path(NAMED_CHAT_TEMPLATES["hermes"]).read_text()
+    tokenizer.response_template = qwen3_template
+    return tokenizer
 
 
 class TRLSide:
@@ -556,10 +647,12 @@ class TRLSide:
 def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
     """Time the recipes' generation (with vLLM: also the weight push), reward and log-prob
     forwards, at the names they call."""
+    from composer_tune.agents import episodes
     from composer_tune.channels import composer
     from composer_tune.rollout import rollouts, window
 
     window.generate = clock.wrap("generation", window.generate)
+    episodes.generate = clock.wrap("generation", episodes.generate)
     rollouts._batched_logprobs = clock.wrap("old log-prob pass", rollouts._batched_logprobs)
     composer.rollout_logprobs = clock.wrap("train log-prob forward", composer.rollout_logprobs)
     for step in steps:
@@ -573,17 +666,45 @@ def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
 
 
 def trl_prompt_ids(
-    checkpoint: Path, samples: list[dict[str, Any]], thinking: bool | None
+    args: argparse.Namespace, checkpoint: Path, samples: list[dict[str, Any]]
 ) -> list[list[int]]:
-    """The prompt ids TRL generates from: the tokenizer's Jinja chat template."""
-    from transformers import AutoTokenizer
+    """The prompt ids TRL generates from: the tokenizer's Jinja chat template (with the
+    environment's tool for --episodes)."""
+    from transformers.utils import get_json_schema
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    tokenizer = trl_tokenizer(args, checkpoint)
+    thinking = enable_thinking(args)
+    kwargs: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
+    if args.episodes:
+        kwargs["tools"] = [get_json_schema(CalculatorEnvironment().calculate)]
     return [
         tokenizer.apply_chat_template(
             s["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         )
+        for s in samples
+    ]
+
+
+def composer_prompt_ids(
+    args: argparse.Namespace, checkpoint: Path, samples: list[dict[str, Any]]
+) -> list[list[int]]:
+    """The prompt ids composer-tune samples from (for --episodes: the first turn's, with the
+    calculate tool's schema in the system turn)."""
+    thinking = enable_thinking(args)
+    if args.episodes:
+        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+
+        tokenizer = ChatTokenizer.from_dir(smollm2_checkpoint()).with_chat_template("hermes")
+        extra: dict[str, Any] = {"tools": [get_json_schema(calculator.calculate)]}
+    else:
+        tokenizer, extra = ChatTokenizer.from_dir(checkpoint), {}
+    return [
+        tokenizer.tokenize_messages(
+            s["prompt"],
+            add_generation_prompt=True,
+            enable_thinking=thinking is None or thinking,
+            **extra,
+        )[0]
         for s in samples
     ]
 
@@ -642,6 +763,7 @@ def common_argv(args: argparse.Namespace) -> list[str]:
     for name in ("prompts", "group_size", "max_new_tokens", "temperature", "lr", "threads"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--seed", str(args.seed), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    argv += ["--episodes", "--a0-dir", args.a0_dir] if args.episodes else []
     return argv + (["--no-stop"] if args.no_stop else [])
 
 
@@ -709,17 +831,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         checkpoint = prepare_checkpoint(args, workdir)
-        tokenizer = ChatTokenizer.from_dir(checkpoint)
-        thinking = enable_thinking(args)
-        ours = [
-            tokenizer.tokenize_messages(
-                s["prompt"],
-                add_generation_prompt=True,
-                enable_thinking=thinking is None or thinking,
-            )[0]
-            for s in samples
-        ]
-        same_prompts = ours == trl_prompt_ids(checkpoint, samples, thinking)
+        ours = composer_prompt_ids(args, checkpoint, samples)
+        same_prompts = ours == trl_prompt_ids(args, checkpoint, samples)
         # Memory first, while this process holds no model: a worker's peak then has the
         # machine's memory to itself.
         memory = {}
@@ -755,6 +868,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "group_size": args.group_size,
             "max_new_tokens": args.max_new_tokens,
             "no_stop": args.no_stop,
+            "episodes": args.episodes,
             "precision": args.precision,
             "trl_optim": args.trl_optim,
             "same_prompts": same_prompts,
@@ -819,7 +933,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
         if profile:
             print(f"\ntorch.profiler, {name}, last step:\n{profile}")
     print("\nnot equal:")
-    for line in [*NOT_EQUAL, *([NO_STOP_NOT_EQUAL] if args.no_stop else [])]:
+    extra = [NO_STOP_NOT_EQUAL] * args.no_stop + [EPISODES_NOT_EQUAL] * args.episodes
+    for line in [*NOT_EQUAL, *extra]:
         print(f"  - {line}")
 
 
@@ -828,42 +943,98 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def sweep(args: argparse.Namespace) -> None:
     """Every SWEEP_POINTS point in a subprocess (its own engines and memory), every completion
-    running to the cap; writes ``--sweep-out`` .json (all figures) and .png (the curves)."""
+    running to the cap, then (``--model smollm2``) an agent-episode point (``--episodes``, group
+    size 4 as its config); writes ``--sweep-out`` .json (all figures), .md (the table) and .png
+    (the curves). Peak memory per point unless ``--skip-memory``. Finished points are kept in
+    ``--sweep-work``, so a sweep cut short (out of memory on a shared machine) goes on where it
+    stopped."""
+    runs: list[tuple[str, dict[str, Any]]] = [
+        (f"{tokens}_{group}", {"max_new_tokens": tokens, "group_size": group, "no_stop": True})
+        for tokens, group in SWEEP_POINTS
+    ]
+    if args.model == "smollm2":
+        budget = OmegaConf.load(EPISODE_CONFIG).agent.max_episode_tokens
+        episodes = {"episodes": True, "group_size": 4, "max_new_tokens": budget, "no_stop": False}
+        runs.append(("episodes", episodes))
     points = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for new_tokens, group_size in SWEEP_POINTS:
-            point = argparse.Namespace(
-                **{**vars(args), "max_new_tokens": new_tokens, "group_size": group_size}
+    work = Path(args.sweep_work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name, changes in runs:
+        point = argparse.Namespace(**{**vars(args), **changes})
+        argv = [*common_argv(point), "--memory-steps", str(args.memory_steps)]
+        argv += ["--skip-memory"] if args.skip_memory else []
+        for variant in args.variant:
+            argv += ["--variant", variant]
+        # A point measured by this very command before (a sweep cut short) is kept.
+        out = work / f"{name}.json"
+        done = json.loads(out.read_text()) if out.is_file() else {}
+        if done.get("argv") != argv:
+            print(f"sweep: {name}: bench_grpo_vs_trl.py {' '.join(argv)}", flush=True)
+            subprocess.run(
+                [sys.executable, __file__, *argv, "--json", str(out)], check=True, cwd=REPO_ROOT
             )
-            out = Path(tmp) / f"{new_tokens}_{group_size}.json"
-            argv = [sys.executable, __file__, *common_argv(point), "--no-stop", "--skip-memory"]
-            for variant in args.variant:
-                argv += ["--variant", variant]
-            print(f"sweep: max_new_tokens={new_tokens} group_size={group_size}", flush=True)
-            subprocess.run([*argv, "--json", str(out)], check=True, cwd=REPO_ROOT)
-            points.append(json.loads(out.read_text()))
+            done = {"argv": argv, **json.loads(out.read_text())}
+            out.write_text(json.dumps(done, indent=1))
+        else:
+            print(f"sweep: {name}: measured before with the same command, {out}", flush=True)
+        points.append(done)
     base = Path(args.sweep_out)
     base.parent.mkdir(parents=True, exist_ok=True)
     base.with_suffix(".json").write_text(json.dumps(points, indent=1))
+    base.with_suffix(".md").write_text(sweep_table(points))
     plot_sweep(points, base.with_suffix(".png"))
-    print(f"sweep: wrote {base.with_suffix('.json')} and {base.with_suffix('.png')}")
+    print(sweep_table(points))
+    print(f"sweep: wrote {base.with_suffix('.json')}, .md and .png")
+
+
+def sweep_table(points: list[dict[str, Any]]) -> str:
+    """The sweep as a Markdown table: per point, each side's median (fastest) s/step, peak
+    memory and TRL's median over composer-tune's."""
+    sides = [name for name in points[0]["sides"] if name != "trl"]
+    header = ["point", "TRL s/step (fastest)", "TRL peak MiB"]
+    for name in sides:
+        header += [f"{name} s/step (fastest)", f"{name} peak MiB", f"TRL / {name}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for point in points:
+        setup, figures = point["setup"], point["sides"]
+        if setup.get("episodes"):
+            where = f"episodes, group {setup['group_size']}"
+        else:
+            where = f"{setup['max_new_tokens']} tokens, group {setup['group_size']}"
+
+        def cells(side: dict[str, Any]) -> list[str]:
+            peak = side["peak_mib"]
+            return [
+                f"{side['median_s']:.1f} ({side['min_s']:.1f})",
+                "-" if peak is None else f"{peak:,.0f}",
+            ]
+
+        row = [where, *cells(figures["trl"])]
+        for name in sides:
+            ratio = figures["trl"]["median_s"] / figures[name]["median_s"]
+            row += [*cells(figures[name]), f"**{ratio:.2f}x**"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_sweep(points: list[dict[str, Any]], path: Path) -> None:
     """Median s/step (solid) and the fastest timed step (dashed) against new tokens (group
-    size 8) and against group size (24 tokens): with few timed steps on a shared machine, one
-    slow step moves the median, and the gap between the two lines shows it."""
+    size 8) and against group size (24 tokens), and the episode point's bars: with few timed
+    steps on a shared machine, one slow step moves the median, and the gap between the two
+    lines shows it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setup = points[0]["setup"]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    curves = [p for p in points if not p["setup"].get("episodes")]
+    episodes = [p for p in points if p["setup"].get("episodes")]
+    setup = curves[0]["setup"]
+    figure, axes = plt.subplots(1, 2 + bool(episodes), figsize=(5.5 * (2 + bool(episodes)), 4.2))
     panels = [("max_new_tokens", "group_size", 8), ("group_size", "max_new_tokens", 24)]
-    for axis, (x_key, fixed_key, fixed) in zip(axes, panels, strict=True):
+    for axis, (x_key, fixed_key, fixed) in zip(axes, panels, strict=False):
         chosen = sorted(
-            (p for p in points if p["setup"][fixed_key] == fixed), key=lambda p: p["setup"][x_key]
+            (p for p in curves if p["setup"][fixed_key] == fixed), key=lambda p: p["setup"][x_key]
         )
         xs = [p["setup"][x_key] for p in chosen]
         for name in chosen[0]["sides"]:
@@ -876,6 +1047,14 @@ def plot_sweep(points: list[dict[str, Any]], path: Path) -> None:
         axis.set_xticks(xs)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if episodes:
+        point = episodes[0]
+        names = list(point["sides"])
+        axes[2].bar(names, [point["sides"][n]["median_s"] for n in names], color="C2", alpha=0.7)
+        axes[2].plot(names, [point["sides"][n]["min_s"] for n in names], "k_", markersize=20)
+        axes[2].set_ylabel("median s / GRPO step (bar), fastest (tick)")
+        axes[2].set_xlabel(f"calculator episodes, <= 3 turns, group {point['setup']['group_size']}")
+        axes[2].grid(alpha=0.3, axis="y")
     figure.suptitle(
         f"{setup['model']} ({setup['precision']}), {setup['prompts']} prompts/step, every "
         f"completion to the cap, {setup['device']} {setup['threads']} thread(s)"

@@ -93,3 +93,32 @@ def test_checkpoint_save_bench_prints_size_and_time() -> None:
     assert match, out
     assert float(match.group(1)) > 0 and int(match.group(2)) > 0
     assert 0 < float(match.group(3)) <= float(match.group(4))
+
+
+def test_grpo_sweep_table_and_plot_cover_every_point(tmp_path: Path) -> None:
+    from bench import bench_grpo_vs_trl as bench
+
+    def point(tokens: int, group: int, trl_s: float, ours_s: float, **setup) -> dict:
+        sides = {
+            "trl": {"median_s": trl_s, "min_s": trl_s - 1, "peak_mib": 9000.0},
+            "composer-tune": {"variant": "", "median_s": ours_s, "min_s": ours_s, "peak_mib": None},
+        }
+        base = {"model": "smollm2", "precision": "bf16", "prompts": 2, "device": "cpu"}
+        return {
+            "setup": {**base, "threads": 1, "max_new_tokens": tokens, "group_size": group, **setup},
+            "sides": sides,
+        }
+
+    points = [point(24, 8, 60.0, 15.0), point(256, 8, 95.0, 40.0), point(24, 4, 20.0, 8.0)]
+    points.append(point(120, 4, 30.0, 12.0, episodes=True))
+    table = bench.sweep_table(points)
+    rows = table.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| 24 tokens, group 8",
+        "| 256 tokens, group 8",
+        "| 24 tokens, group 4",
+        "| episodes, group 4",
+    ]
+    assert rows[1].endswith("| 95.0 (94.0) | 9,000 | 40.0 (40.0) | - | **2.38x** |")
+    bench.plot_sweep(points, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000

@@ -22,7 +22,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
-PARTS = ("parity", "memory", "speed", "peer")
+PARTS = ("parity", "memory", "speed", "sampling", "peer")
 
 
 def _load(path: Path) -> ModuleType:
@@ -95,9 +95,24 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
     speed = parts["speed"]
     assert speed["status"] == "INFO"
     rates = {(row["what"], row["backend"]): row.get("tokens_per_s", 0) for row in speed["rows"]}
-    # Native: AC off/on x eager/compiled; transformers: AC off, eager/compiled; sampling on both.
-    assert len(rates) == 8, rates
+    # Native: AC off/on x eager/compiled; transformers: AC off, eager/compiled.
+    assert len(rates) == 6, rates
     assert all(rate > 0 for rate in rates.values()), rates
+
+    sampling = parts["sampling"]
+    assert sampling["status"] == "INFO"
+    rates = {(row["what"], row["rows"]): row.get("tokens_per_s") for row in sampling["rows"]}
+    # Off CUDA: the native engine at 2 and 8 rows (and on the transformers backend at 8), and
+    # transformers' static-cache generate; their ratio; the graphs' greedy check needs a GPU.
+    for key in [
+        ("transformers generate, static cache", 2),
+        ("native engine on the transformers backend", 8),
+    ]:
+        assert rates[key] > 0, rates
+    ratios = [row["ratio"] for row in sampling["rows"] if "ratio" in row]
+    assert len(ratios) == 2 and all(ratio > 0 for ratio in ratios)
+    greedy = sampling["rows"][-1]
+    assert greedy["status"] == "SKIPPED" and "GPU" in greedy["note"]
 
     peer = parts["peer"]
     if importlib.util.find_spec("trl") is None:
@@ -142,7 +157,7 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
     assert all(row["ours_vs_fp32"] > row["tolerance"] for row in broken_rows)
     # The other parts' sections are kept, and the Markdown is regenerated from all of them.
     earlier = _report(out)["parts"]
-    assert all(parts[name] == earlier[name] for name in ("memory", "speed", "peer"))
+    assert all(parts[name] == earlier[name] for name in ("memory", "speed", "sampling", "peer"))
     markdown = (tmp_path / "report.md").read_text()
     assert "| parity | FAIL |" in markdown and "\n## memory\n" in markdown
 
@@ -182,6 +197,21 @@ def test_a_missing_package_skips_the_part_by_name(
     assert status == 0
     peer = _report(tmp_path)["parts"]["peer"]
     assert peer["status"] == "SKIPPED" and peer["reason"].startswith("trl is not importable")
+
+
+def test_a_dry_run_without_out_dir_leaves_the_committed_report_alone(
+    gpu_check: ModuleType, capsys
+) -> None:
+    committed = {path: path.read_bytes() for path in (REPO / "docs" / "gpu").glob("report.*")}
+    assert committed  # the report the full-size runs write
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--part", "sampling"]) == 0
+    written = Path(capsys.readouterr().out.split("report: ")[-1].split()[0])
+    try:
+        assert written.parent != REPO / "docs" / "gpu" and written.is_file()
+        assert "## sampling" in written.read_text()
+        assert {path: path.read_bytes() for path in committed} == committed
+    finally:
+        shutil.rmtree(written.parent)
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(gpu_check: ModuleType, capsys) -> None:

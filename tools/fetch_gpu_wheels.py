@@ -158,7 +158,7 @@ def gpu_commands(dest: Path) -> list[str]:
     run = f"PYTHONPATH=.:{site} python3 tools/gpu_check.py --commit {commit or 'UNKNOWN'}"
     return [
         f"{install} && {run} --part {part}; cp docs/gpu/report.* $OUT/"
-        for part in ("parity", "memory", "speed", "peer")
+        for part in ("parity", "memory", "speed", "sampling", "peer")
     ]
 
 

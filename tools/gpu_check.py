@@ -5,7 +5,9 @@
     python tools/gpu_check.py --part memory speed      # several
     python tools/gpu_check.py --device cpu --tiny      # dry run: every part at toy sizes
 
-Each run writes ``<out-dir>/report.json`` and regenerates ``<out-dir>/report.md`` from it. A
+Each run writes ``<out-dir>/report.json`` and regenerates ``<out-dir>/report.md`` from it
+(``--out-dir`` defaults to ``docs/gpu`` on CUDA at full size, to a new temporary folder for a
+dry run, so that the committed report changes only on purpose). A
 part's run replaces only that part's section of an existing report, so running the parts one by
 one (one command each, as the GPU machine's 10-minute limit requires) ends in one complete
 report. Every section records the machine, torch/CUDA versions, date and commit it ran on.
@@ -34,10 +36,18 @@ The parts, all in bf16 (``docs/gpu/README.md`` has the goals and how to run them
   log-prob head (as many layers as the estimator says fit without activation checkpointing),
   with and without activation checkpointing and ``torch.compile`` (torchtune's per-layer
   ``compile_model``), and the same shape on the transformers backend (``Qwen3ForCausalLM``,
-  eager and compiled per layer); and tokens/s of the native KV-cache sampler
-  (``rollout/generation.py``) on the full Qwen3-8B, on both backends. MFU counts useful FLOPs (6 N per token for the N matmul parameters plus
+  eager and compiled per layer). MFU counts useful FLOPs (6 N per token for the N matmul parameters plus
   6 L s H d_head for causal attention; recomputation is not counted) against the bf16 dense peak
   (H100 SXM and H200 989 TFLOP/s, detected by name or ``--peak-tflops``); goal: >= 45 %.
+- ``sampling``: tokens/s of the native engine (``rollout/generation.py``, its decode steps
+  replayed as CUDA graphs) at 8 and 64 rows on Qwen3-8B (as many layers as fit half the card),
+  128-token prompts, every row sampled to 128 tokens; beside it the same engine's eager loop, the
+  engine on the transformers backend, ``transformers``' ``generate`` with its static cache (its
+  decode step compiled and replayed as CUDA graphs) and vLLM where installed; each against the
+  weight-read bound (rows x memory bandwidth / weight bytes per step). Goal: the native engine
+  >= 1.0x ``transformers``' static-cache ``generate`` at both batch sizes. Also a correctness
+  row, always judged on CUDA: greedy rows of the graph loop identical to the eager loop's on a
+  small fp32 Qwen3.
 - ``peer``: GRPO steps of composer-tune and TRL's ``GRPOTrainer`` alternating in one process, the
   method and code of bench/bench_grpo_vs_trl.py (imported), on its Qwen3-0.6B layer shape (4
   layers); goal: the recipe's median step, as it ships, no slower than TRL's (ratio >= 1).
@@ -59,9 +69,12 @@ Sizes and time (one H100; each part must finish well inside a 10-minute command)
 - speed: 4 x 2048 tokens per step; 25 layers fit an H100 by the estimate (all 36 an H200),
   with 10 % of the card held back for compiled kernels. A step is ~6 N x 8192 ~ 3e14 FLOP,
   under a second at 45 % MFU; three warm-up and five timed steps per variant; the two compiled
-  variants spend about a minute each compiling one layer (the others reuse it); sampling on
-  the full 8B (16 GiB of bf16 weights): 128 new tokens at batch 8 and 64, a few seconds each
-  if a decoding step takes tens of milliseconds. About 4-6 minutes.
+  variants spend about a minute each compiling one layer (the others reuse it). About 4-5
+  minutes.
+- sampling: the full 8B (16 GiB of bf16 weights), 128 new tokens at batch 8 and 64, each call
+  twice: seconds per call at tens of milliseconds a step; ``transformers``' compilation of its
+  decode step for each batch size a minute or two; vLLM's start and graph capture a minute or
+  two. About 5-8 minutes.
 - peer: 4 prompts x 8 completions of at most 64 tokens, 1 warm-up + 3 timed steps per framework,
   fp32 on both sides as the bench fixes it for random models, two composer-tune variants (the
   recipe as it ships, each group's prompt once, and with one row per completion): a minute or two.
@@ -101,7 +114,8 @@ try:
 except ImportError as import_error:  # the only hard requirement besides the standard library
     sys.exit(f"error: gpu_check needs torch ({import_error})")
 
-PARTS = ("parity", "memory", "speed", "peer")
+PARTS = ("parity", "memory", "speed", "sampling", "peer")
+DEFAULT_OUT_DIR = REPO_ROOT / "docs" / "gpu"  # the committed report (CUDA, full sizes)
 GIB = 2**30
 MIB = 2**20
 # Past this a part risks the GPU machine's 10-minute limit per command.
@@ -109,6 +123,7 @@ PART_SECONDS_WARN = 9 * 60
 MEMORY_GOAL = 0.10  # |estimate / measured peak - 1|
 MFU_GOAL = 0.45
 PEER_GOAL = 1.0  # TRL median step / composer-tune median step
+SAMPLING_GOAL = 1.0  # native engine tokens/s / transformers' static-cache generate tokens/s
 PEER_PHASES = ("generation", "train log-prob forward", "other")
 # Dense bf16 peak per GPU, matched against the device name in this order (PCIe/NVL first).
 PEAK_BF16_TFLOPS = (
@@ -117,6 +132,14 @@ PEAK_BF16_TFLOPS = (
     ("H100", 989.0),
     ("H200", 989.0),
     ("A100", 312.0),
+)
+# Memory bandwidth per GPU in TB/s (the weight-read bound of sampling), matched as above.
+PEAK_BANDWIDTH_TBS = (
+    ("H100 PCIe", 2.0),
+    ("H100 NVL", 3.9),
+    ("H100", 3.35),
+    ("H200", 4.8),
+    ("A100", 2.0),
 )
 # Versions listed in the report header (importlib.metadata: nothing is imported for this).
 PACKAGES = (
@@ -158,6 +181,7 @@ class Settings:
     tiny: bool
     smollm2_dir: Path | None
     peak_tflops: float | None
+    peak_bandwidth_tbs: float | None = None
 
     @property
     def judged(self) -> bool:
@@ -790,39 +814,9 @@ def _time_forward_backward(
     return statistics.median(times)
 
 
-def _generation_rate(
-    args: Any,
-    settings: Settings,
-    batch: int,
-    prompt_len: int,
-    new: int,
-    backend: str = "native",
-) -> float:
-    """Sampled tokens per second of the native KV-cache engine (no stop tokens: every row runs
-    to ``new`` tokens), after a short warm-up call; on ``backend``'s model (the transformers
-    backend decodes through the model's own attention and a transformers cache)."""
-    from composer_tune.rollout.generation import generate
-
-    device = settings.device
-    model = _build(args, device, checkpointing=False, backend=backend)
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, args.vocab_size, (batch, prompt_len), generator=generator).tolist()
-    sampler = torch.Generator(device=device).manual_seed(0)
-    seconds = 0.0
-    for max_new_tokens in (min(8, new), new):  # the first call warms up
-        _synchronize(device)
-        start = time.perf_counter()
-        generate(model, prompts, max_new_tokens=max_new_tokens, pad_id=0, generator=sampler)
-        _synchronize(device)
-        seconds = time.perf_counter() - start
-    del model
-    return batch * new / seconds
-
-
 def run_speed(settings: Settings) -> PartResult:
     require("torchtune", "omegaconf")
     from composer_tune.analysis import memory
-    from composer_tune.models import qwen3_8b
 
     batch, seq_len, steps = (2, 64, 2) if settings.tiny else (4, 2048, 5)
     args = speed_shape(settings, batch, seq_len)
@@ -876,30 +870,6 @@ def run_speed(settings: Settings) -> PartResult:
                 "status": settings.verdict(best_mfu >= MFU_GOAL),
             }
         )
-    if settings.tiny:
-        gen_args, gen_batches, prompt_len, new = args, (4,), 16, 16
-    else:
-        with torch.device("meta"):
-            gen_args = qwen3_8b(max_seq_len=256).config
-        gen_batches, prompt_len, new = (8, 64), 128, 128
-    sampling = [("native", gen_batch) for gen_batch in gen_batches]
-    sampling.append(("transformers", gen_batches[-1]))
-    for model_backend, gen_batch in sampling:
-        row = {
-            "what": f"native sampling, {gen_args.num_layers}-layer model",
-            "backend": model_backend,
-            "shape": f"{gen_batch} rows, {prompt_len}+{new}",
-        }
-        try:
-            rate = _generation_rate(gen_args, settings, gen_batch, prompt_len, new, model_backend)
-        except ImportError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            rows.append(_error_row(row, err))
-            continue
-        finally:
-            _free_memory(settings.device)
-        rows.append({**row, "tokens_per_s": rate, "status": "INFO"})
     peak_text = f"{peak:g} TFLOP/s" if peak is not None else "unknown (no --peak-tflops)"
     return PartResult(
         columns=[
@@ -920,8 +890,335 @@ def run_speed(settings: Settings) -> PartResult:
             "steps after 3 warm-ups. FLOPs per step: tokens x (6 N + 6 L s H d_head) "
             f"= {flops / 1e12:.1f} TFLOP (recomputation not counted); peak {peak_text}.",
             f"torch.compile: torchtune's per-layer compile_model, backend {backend} "
-            "(TORCH_COMPILE_BACKEND). Sampling: temperature 1, no stop tokens, after a warm-up "
-            "call.",
+            "(TORCH_COMPILE_BACKEND).",
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def peak_bandwidth(settings: Settings) -> float | None:
+    """The device's memory bandwidth in bytes/s: ``--peak-bandwidth`` (TB/s), else from its
+    name (None: unknown)."""
+    if settings.peak_bandwidth_tbs is not None:
+        return settings.peak_bandwidth_tbs * 1e12
+    if settings.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(settings.device)
+    return next((tbs * 1e12 for key, tbs in PEAK_BANDWIDTH_TBS if key in name), None)
+
+
+def sampling_shape(settings: Settings, max_seq_len: int, rows: int) -> Any:
+    """Qwen3-8B with as many layers as fit the GPU with a KV cache for ``rows`` rows (a toy
+    Qwen3 with ``--tiny``)."""
+    from composer_tune.models import DecoderArgs, qwen3_8b
+
+    if settings.tiny:
+        return DecoderArgs(
+            vocab_size=512,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            embed_dim=64,
+            intermediate_dim=128,
+            head_dim=16,
+            max_seq_len=max_seq_len,
+        )
+    with torch.device("meta"):
+        full = qwen3_8b(max_seq_len=max_seq_len).config
+    capacity = settings.device_gib()
+    for layers in range(full.num_layers, 0, -1):
+        args = dataclasses.replace(full, num_layers=layers)
+        weights = 2 * _param_count(args)
+        cache = 2 * 2 * layers * args.num_kv_heads * args.head_dim * max_seq_len * rows
+        # Half the card: the model, its cache, the step's activations and logits, and the
+        # peers' compiled graphs and memory pools.
+        if capacity is None or weights + cache <= 0.5 * capacity * GIB:
+            return args
+    raise RuntimeError(f"not even one Qwen3-8B layer fits {capacity:.1f} GiB")
+
+
+def _param_count(args: Any) -> int:
+    from composer_tune.analysis import memory
+
+    return memory.count_params(args)
+
+
+def _timed(device: torch.device, run: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of ``run()`` (after one untimed warm-up call: compilation, graphs, allocator)
+    and its result."""
+    run()
+    _synchronize(device)
+    start = time.perf_counter()
+    result = run()
+    _synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def _native_sampling(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new: int,
+    device: torch.device,
+    cuda_graphs: bool,
+    greedy: bool = False,
+) -> tuple[float, Any]:
+    from composer_tune.rollout.generation import generate
+
+    sampler = torch.Generator(device=device).manual_seed(0)
+    return _timed(
+        device,
+        lambda: generate(
+            model,
+            prompts,
+            max_new_tokens=new,
+            pad_id=0,
+            greedy=greedy,
+            generator=sampler,
+            cuda_graphs=cuda_graphs,
+        ),
+    )
+
+
+def _transformers_static_sampling(
+    model: torch.nn.Module, prompts: list[list[int]], new: int, device: torch.device
+) -> float:
+    """Seconds of ``transformers``' ``generate`` with its static cache (on CUDA its decode step
+    is compiled and replayed as CUDA graphs), every row to ``new`` tokens, temperature 1."""
+    input_ids = torch.tensor(prompts, device=device)
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "max_new_tokens": new,
+        "min_new_tokens": new,
+        "cache_implementation": "static",
+        "pad_token_id": 0,
+        "eos_token_id": None,
+    }
+    with torch.inference_mode():
+        seconds, _ = _timed(device, lambda: model.generate(**kwargs))
+    return seconds
+
+
+def _measure_vllm(
+    config: Any,
+    prompts: dict[int, list[list[int]]],
+    new: int,
+    measure: Callable[[str, int, Callable[[], float]], None],
+) -> None:
+    """vLLM (random weights: ``load_format="dummy"``, CUDA graphs on) sampling the same rows,
+    one engine for every batch; a SKIPPED row where vLLM is not installed."""
+    from composer_tune.checkpointing.hf_checkpoint import CONFIG_NAME
+
+    try:
+        require("vllm")
+    except MissingDependency:
+        measure("vLLM", max(prompts), functools.partial(require, "vllm"))  # its SKIPPED row
+        return
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_vllm_") as config_dir:
+        (Path(config_dir) / CONFIG_NAME).write_text(json.dumps(config.to_dict()))
+        llm = LLM(
+            model=config_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=len(next(iter(prompts.values()))[0]) + new,
+            gpu_memory_utilization=0.5,
+            seed=0,
+        )
+    params = SamplingParams(temperature=1.0, max_tokens=new, min_tokens=new, ignore_eos=True)
+    for rows, batch in prompts.items():
+        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in batch]
+        measure(
+            "vLLM",
+            rows,
+            lambda requests=requests: _timed(
+                torch.device("cuda"), lambda: llm.generate(requests, params, use_tqdm=False)
+            )[0],
+        )
+
+
+def _greedy_rows_identical(settings: Settings) -> dict[str, Any]:
+    """Greedy rows of the CUDA-graph loop against the eager loop on a small fp32 Qwen3 whose
+    wide initialisation keeps the argmax away from ties (float rounding may not flip it)."""
+    from composer_tune.models import qwen3_tiny
+
+    row: dict[str, Any] = {"what": "greedy rows, CUDA graphs vs eager loop", "rows": 16}
+    if settings.device.type != "cuda":
+        return {**row, "status": "SKIPPED", "note": "CUDA graphs need a GPU"}
+    torch.manual_seed(0)
+    model = qwen3_tiny(vocab_size=1024, num_layers=4, initializer_range=0.5, max_seq_len=512)
+    model = model.to(settings.device).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(1, 1024, (int(length),), generator=generator).tolist()
+        for length in torch.randint(8, 65, (16,), generator=generator)
+    ]
+    _, eager = _native_sampling(model, prompts, 300, settings.device, False, greedy=True)
+    _, graphed = _native_sampling(model, prompts, 300, settings.device, True, greedy=True)
+    same = sum(a == b for a, b in zip(eager.completions, graphed.completions, strict=True))
+    return {
+        **row,
+        "identical": f"{same}/16",
+        "status": "PASS" if same == 16 else "FAIL",
+        "note": "fp32, 8-64 prompt tokens, 300 new tokens: spans of 1 and 2 graph buckets",
+    }
+
+
+def _measure_native(
+    args: Any,
+    settings: Settings,
+    prompts: dict[int, list[list[int]]],
+    new: int,
+    measure: Callable[[str, int, Callable[[], float]], None],
+    name: str,
+    graphs: bool,
+    backend: str = "native",
+) -> None:
+    """The native engine on ``backend``'s model at each batch of ``prompts`` (with graphs on
+    the native model also its eager loop, the engine as it was before them)."""
+    model = _build(args, settings.device, checkpointing=False, backend=backend)
+    for rows, batch in prompts.items():
+        measure(
+            name,
+            rows,
+            lambda batch=batch: _native_sampling(model, batch, new, settings.device, graphs)[0],
+        )
+        if graphs and backend == "native":
+            measure(
+                "native engine, eager loop",
+                rows,
+                lambda batch=batch: _native_sampling(model, batch, new, settings.device, False)[0],
+            )
+
+
+def _measure_transformers(
+    config: Any,
+    settings: Settings,
+    prompts: dict[int, list[list[int]]],
+    new: int,
+    measure: Callable[[str, int, Callable[[], float]], None],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with settings.device:
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
+    for rows, batch in prompts.items():
+        measure(
+            "transformers generate, static cache",
+            rows,
+            lambda batch=batch: _transformers_static_sampling(model, batch, new, settings.device),
+        )
+
+
+def run_sampling(settings: Settings) -> PartResult:
+    require("transformers", "torchtune", "omegaconf")
+    from transformers import Qwen3Config
+
+    from composer_tune.analysis import memory
+    from composer_tune.checkpointing.hf_checkpoint import hf_config_from_decoder_args
+
+    device = settings.device
+    prompt_len, new = (16, 16) if settings.tiny else (128, 128)
+    batches = (2, 8) if settings.tiny else (8, 64)
+    args = sampling_shape(settings, prompt_len + new, max(batches))
+    bandwidth = peak_bandwidth(settings)
+    # Bytes a decode step must read: every matmul weight (the embedding is looked up, not read).
+    weight_bytes = 2 * memory.count_matmul_params(args)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {
+        rows: torch.randint(1, args.vocab_size, (rows, prompt_len), generator=generator).tolist()
+        for rows in batches
+    }
+    graphs = device.type == "cuda"
+    rows_out: list[dict[str, Any]] = []
+    rates: dict[tuple[str, int], float] = {}
+
+    def measure(name: str, rows: int, seconds_of: Callable[[], float]) -> None:
+        row: dict[str, Any] = {"what": name, "rows": rows}
+        try:
+            seconds = seconds_of()
+        except (ImportError, MissingDependency) as err:
+            rows_out.append({**row, "status": "SKIPPED", "note": str(err)[:200]})
+            return
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory: the next peer
+            rows_out.append(_error_row(row, err))
+            return
+        finally:
+            _free_memory(device)
+        rate = rows * new / seconds
+        rates[(name, rows)] = rate
+        row.update(seconds=seconds, tokens_per_s=rate, ms_per_step=1e3 * seconds / new)
+        if bandwidth is not None:
+            row["of_bound"] = rate / (rows * bandwidth / weight_bytes)
+        rows_out.append({**row, "status": "INFO"})
+
+    native_name = "native engine, CUDA graphs" if graphs else "native engine (no graphs off CUDA)"
+    # One model on the device at a time; each is freed when its function returns.
+    _measure_native(args, settings, prompts, new, measure, native_name, graphs)
+    _measure_native(
+        args,
+        settings,
+        {max(batches): prompts[max(batches)]},
+        new,
+        measure,
+        "native engine on the transformers backend",
+        graphs,
+        backend="transformers",
+    )
+    config = Qwen3Config(**hf_config_from_decoder_args(args, torch.bfloat16))
+    _measure_transformers(config, settings, prompts, new, measure)
+    if device.type == "cuda":
+        _measure_vllm(config, prompts, new, measure)
+    for rows in batches:
+        ours, theirs = (
+            rates.get((native_name, rows)),
+            rates.get(("transformers generate, static cache", rows)),
+        )
+        if ours is not None and theirs is not None:
+            rows_out.append(
+                {
+                    "what": f"native engine / transformers static cache, goal >= {SAMPLING_GOAL:g}",
+                    "rows": rows,
+                    "ratio": ours / theirs,
+                    "status": settings.verdict(ours / theirs >= SAMPLING_GOAL),
+                }
+            )
+    rows_out.append(_greedy_rows_identical(settings))
+    bound_text = f"{bandwidth / 1e12:g} TB/s" if bandwidth else "unknown (no --peak-bandwidth)"
+    return PartResult(
+        columns=[
+            ("what", "what", ""),
+            ("rows", "rows", "d"),
+            ("seconds", "s", ".3f"),
+            ("ms_per_step", "ms / token step", ".2f"),
+            ("tokens_per_s", "tokens/s", ",.0f"),
+            ("of_bound", "of weight-read bound", ".1%"),
+            ("ratio", "ratio", ".2f"),
+            ("identical", "identical", ""),
+        ],
+        rows=rows_out,
+        notes=[
+            f"Model: {args.num_layers} layers of Qwen3-8B's shape (at full size as many as "
+            f"fit half the card with the cache; a toy Qwen3 with --tiny), random weights, bf16; "
+            f"{prompt_len}-token prompts, every row sampled to {new} new tokens at temperature "
+            "1 (no stop token); each figure is the second of two identical calls (the first "
+            "compiles, captures and warms up).",
+            f"Weight-read bound: rows x bandwidth / bytes of the matmul weights "
+            f"({weight_bytes / GIB:.2f} GiB) per token step; bandwidth {bound_text}.",
+            "transformers: generate(cache_implementation='static'), which on CUDA compiles the "
+            "decode step and replays it as CUDA graphs. vLLM: load_format='dummy' (random "
+            "weights), CUDA graphs on, where installed.",
         ],
     )
 
@@ -996,6 +1293,7 @@ PART_FUNCTIONS: dict[str, Callable[[Settings], PartResult]] = {
     "parity": run_parity,
     "memory": run_memory,
     "speed": run_speed,
+    "sampling": run_sampling,
     "peer": run_peer,
 }
 
@@ -1187,10 +1485,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (the dry run)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs" / "gpu")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help="where the report goes (default: docs/gpu on CUDA at full size; a new temporary "
+        "folder for a dry run, --device cpu or --tiny, so the committed report changes only "
+        "on purpose)",
+    )
     parser.add_argument("--fresh", action="store_true", help="start a new report, drop old parts")
     parser.add_argument("--smollm2-dir", type=Path, help="SmolLM2-135M HF checkpoint directory")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak for MFU")
+    parser.add_argument(
+        "--peak-bandwidth", type=float, help="memory bandwidth in TB/s for the sampling bound"
+    )
     parser.add_argument(
         "--commit", help="commit to record (default: git describe; the GPU copy has no .git)"
     )
@@ -1220,12 +1527,17 @@ def main(argv: list[str] | None = None) -> int:
         tiny=ns.tiny,
         smollm2_dir=ns.smollm2_dir,
         peak_tflops=ns.peak_tflops,
+        peak_bandwidth_tbs=ns.peak_bandwidth,
     )
+    out_dir = ns.out_dir
+    if out_dir is None:
+        judged = settings.device.type == "cuda" and not settings.tiny
+        out_dir = DEFAULT_OUT_DIR if judged else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     names = PARTS if "all" in ns.part else tuple(p for p in PARTS if p in ns.part)
     sections: dict[str, dict[str, Any]] = {}
     for name in names:  # written after each part, so a command killed at its limit keeps them
         sections[name] = run_part(name, settings, ns.commit)
-        path = update_report(ns.out_dir, {name: sections[name]}, ns.fresh and len(sections) == 1)
+        path = update_report(out_dir, {name: sections[name]}, ns.fresh and len(sections) == 1)
     print(f"[gpu_check] report: {path} (and report.json beside it)")
     failed = [name for name, s in sections.items() if s["status"] in ("FAIL", "ERROR")]
     if failed:

@@ -32,6 +32,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 from torchtune.modules.attention_utils import _MaskType
+from torchtune.modules.kv_cache import KVCache
 
 from composer_tune.models.hf_backend import LayerWidths
 
@@ -167,7 +168,8 @@ class GroupedQueryAttention(MultiHeadAttention):
 
         ``mask`` is a boolean ``[b, s, s_kv]`` (True = may attend) or a flex ``BlockMask``;
         without one the attention is causal. With the KV cache enabled, new keys/values are
-        appended to the cache and ``mask`` must span the cache length (``[b, s, max_cache_len]``).
+        appended to the cache and ``mask`` (``[b, s, span]``) says which of the first ``span``
+        cache slots each query sees; later slots are not read.
         ``input_pos`` ([s] or [b, s]) gives RoPE positions, e.g. right-shifted for left padding.
         """
         y = x if y is None else y
@@ -187,19 +189,27 @@ class GroupedQueryAttention(MultiHeadAttention):
 
         grouped = self.num_heads != self.num_kv_heads
         if self.kv_cache is not None and self.cache_enabled:
-            k, v = self.kv_cache.update(k, v)
-            if grouped and q.device.type == "cpu" and isinstance(mask, torch.Tensor):
-                # Sampling on CPU: SDPA reads the grouped cache as it is. Expanding it to every
-                # query head copied the whole cache once per layer and token (an eighth of a
-                # SmolLM2 decode step at 128 new tokens). On CUDA a masked GQA call may fall
-                # back to the math kernel, so there the cache is still expanded.
-                filled = self.kv_cache.size  # slots past it are empty and masked
+            if not isinstance(mask, torch.Tensor):
+                raise ValueError("a cached forward needs a boolean mask [b, s, span]")
+            # The mask's width is the span of cache slots this forward reads (the sampler's
+            # filled slots on a CPU, a fixed bucket in a captured CUDA graph): slots past it are
+            # not read. The write and the read are on-device, so the step can be captured.
+            k, v = write_kv_cache(self.kv_cache, k, v, span=mask.shape[-1])
+            if grouped and s_x == 1:
+                # One new token: its query heads sharing a key/value head become that head's
+                # rows of queries, so attention reads the grouped cache as it is (expanding it
+                # to every query head copied the whole cache once per layer and token; SDPA's
+                # enable_gqa on a CPU is 6x slower at SmolLM2's decode shapes).
+                folded = q.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
                 out = nn.functional.scaled_dot_product_attention(
-                    q,
-                    k[:, :, :filled],
-                    v[:, :, :filled],
-                    attn_mask=mask[:, None, :, :filled],
-                    enable_gqa=True,
+                    folded, k, v, attn_mask=mask[:, None, :, :]
+                )
+                return self.output_proj(out.reshape(b, s_x, -1))
+            if grouped and q.device.type == "cpu":
+                # A prefill chunk on a CPU: SDPA reads the grouped cache as it is. On CUDA a
+                # masked GQA call may fall back to the math kernel, so there it is expanded.
+                out = nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask[:, None, :, :], enable_gqa=True
                 )
                 return self.output_proj(out.transpose(1, 2).reshape(b, s_x, -1))
 
@@ -223,6 +233,23 @@ class GroupedQueryAttention(MultiHeadAttention):
         return self.output_proj(out)
 
 
+def write_kv_cache(
+    cache: KVCache, k: torch.Tensor, v: torch.Tensor, *, span: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``k``/``v`` ``[b, h, s, d]`` at the cache's write position and return its first
+    ``span`` slots. torchtune's ``KVCache.update`` does the same but asserts the bound by
+    reading the position back to the host (a sync per layer and token, and no CUDA graph
+    capture); here the caller (the sampler) sized the cache, and ``span`` is checked against
+    its length on the host."""
+    if span > cache.k_cache.shape[2]:
+        raise ValueError(f"mask spans {span} cache slots; the cache holds {cache.k_cache.shape[2]}")
+    slots = cache.cache_pos[: k.shape[2]]
+    cache.k_cache.index_copy_(2, slots, k.to(cache.k_cache.dtype))
+    cache.v_cache.index_copy_(2, slots, v.to(cache.v_cache.dtype))
+    cache.cache_pos.add_(k.shape[2])
+    return cache.k_cache[:, :, :span], cache.v_cache[:, :, :span]
+
+
 class CausalDecoder(TransformerDecoder):
     """torchtune ``TransformerDecoder`` that can hand the final hidden state to a custom head.
 
@@ -233,6 +260,10 @@ class CausalDecoder(TransformerDecoder):
     parameters (embeddings, final norm, lm head) unsharded -- without ever materialising
     ``[b, s, vocab]`` float32 logits. ``config`` records the architecture for checkpoint saving.
     """
+
+    # A cached forward reads only the first ``mask.shape[-1]`` cache slots (the sampler's
+    # filled slots, or a CUDA graph's fixed span), instead of a mask over the whole cache.
+    reads_cache_span = True
 
     def __init__(self, *, config: DecoderArgs, **kwargs: Any) -> None:
         super().__init__(**kwargs)

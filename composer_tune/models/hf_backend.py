@@ -176,17 +176,18 @@ class OutputHead(nn.Module):
 
 
 @functools.cache
-def _filled_static_layer_class() -> type:
+def _spanned_static_layer_class() -> type:
     """A cache layer that keeps every position in preallocated buffers (as ``transformers``'
-    ``StaticLayer``) and hands attention only the slots written so far, so that a decode step
-    reads the filled part of the cache, not all of it. Built on first use."""
+    ``StaticLayer``, whose write position is a device counter) and hands attention only its
+    first ``span`` slots, the width of the sampler's mask: the filled part of the cache on a
+    CPU, a fixed bucket in a captured CUDA graph. Built on first use."""
     from transformers.cache_utils import StaticLayer
 
-    class FilledStaticLayer(StaticLayer):
+    class SpannedStaticLayer(StaticLayer):
         def __init__(self, max_cache_len: int, dtype: torch.dtype) -> None:
             super().__init__(max_cache_len=max_cache_len)
             self.cache_dtype = dtype
-            self.filled = 0
+            self.span = max_cache_len
 
         def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any):
             # Under autocast RoPE leaves the keys in float32 and the values in bf16: both are
@@ -194,20 +195,20 @@ def _filled_static_layer_class() -> type:
             keys, values = super().update(
                 key_states.to(self.cache_dtype), value_states.to(self.cache_dtype), *args, **kwargs
             )
-            self.filled += key_states.shape[-2]
-            return keys[:, :, : self.filled], values[:, :, : self.filled]
+            return keys[:, :, : self.span], values[:, :, : self.span]
 
-    return FilledStaticLayer
+    return SpannedStaticLayer
 
 
 @dataclasses.dataclass
 class _CacheState:
-    """One sampling call's cache: the ``transformers`` cache, how many slots are written, and
-    each slot's position id (for sliding windows, which count positions, not slots)."""
+    """One sampling call's cache: the ``transformers`` cache, its length, how many slots are
+    written (a device counter, so that a decode step can be captured in a CUDA graph) and each
+    slot's position id (for sliding windows, which count positions, not slots)."""
 
     cache: Any
     length: int
-    filled: int
+    written: Tensor  # long[1]
     positions: Tensor  # long[b, length]
 
 
@@ -225,6 +226,9 @@ class HFCausalLM(nn.Module):
             None takes ``transformers``' semantics: the config's ``router_aux_loss_coef`` when
             its ``output_router_logits`` is true, else 0.
     """
+
+    # A cached forward reads only the first ``mask.shape[-1]`` cache slots (see the sampler).
+    reads_cache_span = True
 
     def __init__(
         self, hf_model: nn.Module, *, max_seq_len: int, router_aux_loss_coef: float | None = None
@@ -379,12 +383,12 @@ class HFCausalLM(nn.Module):
 
         if self._cache is not None:
             raise ValueError("HFCausalLM: a KV cache is already set up")
-        layer_class = _filled_static_layer_class()
+        layer_class = _spanned_static_layer_class()
         cache = Cache(layers=[layer_class(decoder_max_seq_len, dtype) for _ in self.layer_types])
         self._cache = _CacheState(
             cache=cache,
             length=decoder_max_seq_len,
-            filled=0,
+            written=torch.zeros(1, dtype=torch.long, device=device),
             positions=torch.zeros(
                 (batch_size, decoder_max_seq_len), dtype=torch.long, device=device
             ),
@@ -401,15 +405,17 @@ class HFCausalLM(nn.Module):
         assert state is not None
         if mask is None or input_pos is None:
             raise ValueError("HFCausalLM: a cached forward needs mask and input_pos")
-        start, end = state.filled, state.filled + tokens.shape[1]
-        if end > state.length:
-            raise ValueError(f"HFCausalLM: the KV cache holds {state.length} positions, not {end}")
-        state.positions[:, start:end] = input_pos
-        state.filled = end
+        # The mask's width is the span of slots this forward reads (see the layer class).
+        span = mask.shape[-1]
+        if span > state.length:
+            raise ValueError(f"HFCausalLM: the KV cache holds {state.length} positions, not {span}")
+        slots = state.written + torch.arange(tokens.shape[1], device=state.written.device)
+        state.positions.index_copy_(1, slots, input_pos)
+        state.written.add_(tokens.shape[1])
+        for layer in state.cache.layers:
+            layer.span = span
         return {
-            "attention_mask": self._layer_masks(
-                mask[:, :, :end], input_pos, state.positions[:, :end]
-            ),
+            "attention_mask": self._layer_masks(mask, input_pos, state.positions[:, :span]),
             "past_key_values": state.cache,
             "use_cache": True,
         }
