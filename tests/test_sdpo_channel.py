@@ -23,6 +23,7 @@ from composer_tune.channels.sdpo import (
     sdpo_channel_loss,
     select_teacher_rows,
 )
+from composer_tune.channels.sdpo.diagnostics import end_of_reply_probs
 from composer_tune.channels.sdpo.teacher import EMATeacher
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.distill import DistillConfig
@@ -462,3 +463,41 @@ def test_excluding_the_end_of_reply_leaves_its_tokens_out_of_the_channel(
     assert (all_tokens == eos).sum() == 1
     assert all_metrics["sdpo/valid_tokens"] == len(distilled) + 1
     assert default_gradients["eos_share/sdpo"] > 0
+
+
+def test_end_of_reply_probs_read_both_prompts_at_every_completion_position(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """The diagnostic's student and teacher end-of-reply probabilities equal a softmax of the
+    full logits of the plain and the hinted sequence at the positions predicting each
+    completion token; rows without a teacher stay NaN."""
+    model = tiny_model().eval()
+    rollouts = rollout_batch(tokenizer)
+    cfg = channel_config()
+    teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
+    student, teacher, top = end_of_reply_probs(
+        model, rollouts, teacher_batch, tokenizer.eos_id, temperature=0.7
+    )
+    eos = tokenizer.eos_id
+    with torch.no_grad():
+        plain = torch.softmax(model(rollouts.tokens) / 0.7, -1)
+        hinted = torch.softmax(model(teacher_batch.tokens) / 0.7, -1)
+    for row in range(len(rollouts)):
+        length = int(rollouts.completion_lengths[row])
+        if not bool(teacher_batch.has_teacher[row]):
+            assert torch.isnan(student[row]).all() and torch.isnan(teacher[row]).all()
+            continue
+        start, hinted_start = (
+            int(rollouts.prompt_lengths[row]),
+            int(teacher_batch.prompt_lengths[row]),
+        )
+        for j in range(length):
+            assert float(student[row, j]) == pytest.approx(
+                float(plain[row, start + j - 1, eos]), rel=1e-4
+            )
+            assert float(teacher[row, j]) == pytest.approx(
+                float(hinted[row, hinted_start + j - 1, eos]), rel=1e-4
+            )
+            assert int(top[row, j]) == int(hinted[row, hinted_start + j - 1].argmax())
+        assert torch.isnan(student[row, length:]).all()
+    assert int(teacher_batch.has_teacher.sum()) == 1
