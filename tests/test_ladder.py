@@ -404,6 +404,17 @@ def _settings(arms: list[str]) -> dict:
             "heldout": {"seed": 1}}  # fmt: skip
 
 
+def test_a_ladder_that_imported_another_checkout_refuses_to_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(ladder, "imported_checkout", lambda: Path("/elsewhere"))
+    with pytest.raises(SystemExit):
+        ladder.main(["--arms", "a1", "--no-plots"])
+    assert f"run with PYTHONPATH={REPO_ROOT}" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert ladder.imported_checkout() == REPO_ROOT  # this test session's own checkout
+
+
 def test_runs_import_this_repository_first() -> None:
     """`tune run` puts the working directory after site-packages, where an editable install of
     another checkout would be imported instead: the runs get this repository on PYTHONPATH."""

@@ -1171,10 +1171,25 @@ def save(results: dict[str, Any], out: Path, plt: Any | None) -> None:
         write_plots(results, out, plt)
 
 
+def imported_checkout() -> Path:
+    """The checkout this process imported ``composer_tune`` from. An editable install's ``.pth``
+    imports it at interpreter start, before this file puts its repository first on the path, so
+    another checkout's package (and its config schemas) can win."""
+    import composer_tune
+
+    return Path(composer_tune.__file__).resolve().parent.parent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(args, parser)
+    if imported_checkout() != REPO_ROOT:
+        parser.error(
+            f"composer_tune was imported from {imported_checkout()}, not from this checkout "
+            f"({REPO_ROOT}), so configs would be checked against another version: run with "
+            f"PYTHONPATH={REPO_ROOT}"
+        )
     plt = None if args.no_plots else require_matplotlib()  # fail before the compute, not after
     if args.combine:
         try:
