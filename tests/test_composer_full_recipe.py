@@ -350,7 +350,9 @@ def test_shared_prefix_forward_changes_no_logged_value(tmp_path: Path) -> None:
 def test_channel_gradient_norms_equal_each_channel_alone(tmp_path: Path) -> None:
     """``log_channel_gradients``: step 1 of all three channels logs each channel's gradient
     norm, which is the step's whole gradient norm when that channel runs alone on the same
-    rollouts and pairs; the shares add to 1 and every other logged value is unchanged."""
+    rollouts and pairs; the shares add to 1 and every other logged value is unchanged. Each
+    channel's push on the end-of-reply logit and share of its logit gradient there are logged
+    too (their values are checked in tests/test_channel_gradients.py)."""
     common = [*FULL_MECHANICS, "max_steps=1", "lr_scheduler=null"]
     runs = {
         "split": ["log_channel_gradients=true"],
@@ -369,8 +371,12 @@ def test_channel_gradient_norms_equal_each_channel_alone(tmp_path: Path) -> None
     split, together = logs["split"], logs["together"]
     channels = ("policy", "sdpo", "dpo")
     assert set(split) - set(together) == {
-        f"grad_{kind}/{name}" for kind in ("norm", "share") for name in channels
+        f"{kind}/{name}"
+        for kind in ("grad_norm", "grad_share", "eos_push", "eos_share")
+        for name in channels
     }
+    for name in channels:
+        assert 0 < split[f"eos_share/{name}"] < 1 and split[f"eos_push/{name}"] != 0
     for name, value in together.items():
         assert split[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
     for name in channels:

@@ -76,19 +76,22 @@ def run(inputs: dict, config: DistillConfig, **overrides):
         config=config,
         teacher_output_module=args.get("teacher_output"),
         normalizer=args.get("normalizer"),
+        end_of_reply_token=args.get("end_of_reply_token"),
     )
 
 
 def reference_divergence(student_p: torch.Tensor, teacher_p: torch.Tensor, alpha: float):
-    """Per-row divergence from probabilities (rows sum to 1)."""
+    """Per-row divergence from probabilities (rows sum to 1; 0 log 0 = 0)."""
+
+    def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+
     if alpha == 0.0:
-        return (teacher_p * (teacher_p / student_p).log()).sum(-1)
+        return kl(teacher_p, student_p)
     if alpha == 1.0:
-        return (student_p * (student_p / teacher_p).log()).sum(-1)
+        return kl(student_p, teacher_p)
     mixture = alpha * teacher_p + (1 - alpha) * student_p
-    teacher_term = (teacher_p * (teacher_p / mixture).log()).sum(-1)
-    student_term = (student_p * (student_p / mixture).log()).sum(-1)
-    return alpha * teacher_term + (1 - alpha) * student_term
+    return alpha * kl(teacher_p, mixture) + (1 - alpha) * kl(student_p, mixture)
 
 
 def restrict_to_topk(p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -97,8 +100,17 @@ def restrict_to_topk(p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.cat([kept, 1 - kept.sum(-1, keepdim=True)], dim=-1)
 
 
-def reference(inputs: dict, config: DistillConfig) -> dict:
-    """Loss, per-token divergence and token log-prob gap, from full [B, C, V] logits."""
+def without(p: torch.Tensor, token: int) -> torch.Tensor:
+    """The distribution ``p`` conditioned on not being ``token``."""
+    kept = torch.ones(p.shape[-1], dtype=p.dtype)
+    kept[token] = 0.0
+    return p * kept / (p * kept).sum(-1, keepdim=True)
+
+
+def reference(inputs: dict, config: DistillConfig, end_of_reply: int | None = None) -> dict:
+    """Loss, per-token divergence and token log-prob gap, from full [B, C, V] logits
+    (``end_of_reply="exclude"``: that token's positions left out, both sides conditioned on
+    not ending)."""
     valid = inputs["completion_mask"] & inputs["has_teacher"][:, None]
     rows = torch.arange(BATCH)[:, None].expand(BATCH, COMPLETION)
     student_h = inputs["student_hidden"][rows, inputs["student_positions"]]
@@ -107,6 +119,9 @@ def reference(inputs: dict, config: DistillConfig) -> dict:
     student_p = torch.softmax(student_h @ weight.T / config.temperature, -1)
     # Stop-gradient: the teacher's logits use a detached copy of the shared weight.
     teacher_p = torch.softmax(teacher_h @ weight.detach().T / config.temperature, -1)
+    if config.end_of_reply == "exclude":
+        valid = valid & (inputs["targets"] != end_of_reply)
+        student_p, teacher_p = without(student_p, end_of_reply), without(teacher_p, end_of_reply)
     if config.top_k is not None:
         support = teacher_p if config.top_k_support == "teacher" else student_p.detach()
         indices = support.topk(config.top_k, -1).indices
@@ -114,6 +129,9 @@ def reference(inputs: dict, config: DistillConfig) -> dict:
             restrict_to_topk(student_p, indices),
             restrict_to_topk(teacher_p, indices),
         )
+    elif config.end_of_reply == "exclude":  # over the other tokens (0 log 0 has no gradient)
+        others = torch.tensor([token for token in range(VOCAB) if token != end_of_reply])
+        student_q, teacher_q = student_p[..., others], teacher_p[..., others]
     else:
         student_q, teacher_q = student_p, teacher_p
     divergence = reference_divergence(student_q, teacher_q, config.alpha)
@@ -328,6 +346,77 @@ def test_precomputed_teacher_topk_equals_hidden_state_path() -> None:
             valid=valid,
             config=DistillConfig(),
         )
+
+
+END_OF_REPLY = 7
+
+
+@pytest.mark.parametrize(
+    ("alpha", "top_k", "support"),
+    [(0.5, None, "teacher"), (0.5, 5, "student"), (0.3, 5, "teacher"), (1.0, None, "teacher")],
+)
+def test_excluding_the_end_of_reply_distils_only_what_follows_if_the_reply_goes_on(
+    alpha: float, top_k: int | None, support: str
+) -> None:
+    """``end_of_reply="exclude"``: the positions where the student ended are not distilled,
+    elsewhere both sides are conditioned on not ending (the definition computed here), and the
+    student's end-of-reply logit gets no gradient; the default distils it."""
+    inputs = make_inputs(seed=8)
+    inputs["targets"][0, 1] = END_OF_REPLY  # row 0 ends its reply there
+    inputs["targets"][2, 0] = END_OF_REPLY
+    config = DistillConfig(alpha=alpha, top_k=top_k, top_k_support=support, chunk_size=3)
+    excluding = DistillConfig(**{**config.__dict__, "end_of_reply": "exclude"})
+    got = run(inputs, excluding, end_of_reply_token=END_OF_REPLY)
+    want = reference(inputs, excluding, end_of_reply=END_OF_REPLY)
+    torch.testing.assert_close(got.loss, want["loss"], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.divergence, want["divergence"], rtol=1e-9, atol=1e-12)
+    distilled = inputs["completion_mask"] & inputs["has_teacher"][:, None]
+    ended = int((distilled & (inputs["targets"] == END_OF_REPLY)).sum())
+    assert ended >= 2 and got.metrics["distill/valid_tokens"] == 7 - ended
+    assert not got.valid[0, 1] and not got.valid[2, 0]
+    for mine, theirs in zip(grads(got.loss, inputs), grads(want["loss"], inputs), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-8, atol=1e-12)
+    (_, weight_grad) = grads(got.loss, inputs)
+    assert torch.all(weight_grad[END_OF_REPLY] == 0)
+
+    default = run(inputs, config)
+    assert default.metrics["distill/valid_tokens"] == 7
+    (_, weight_grad) = grads(default.loss, inputs)
+    assert weight_grad[END_OF_REPLY].abs().sum() > 1e-6
+    with pytest.raises(ValueError, match="end_of_reply='exclude' needs end_of_reply_token"):
+        run(inputs, excluding)
+    with pytest.raises(ValueError, match="end_of_reply must be one of"):
+        DistillConfig(end_of_reply="student")
+
+
+def test_excluding_the_end_of_reply_with_a_precomputed_teacher() -> None:
+    """The EMA teacher's top-k side (TeacherTopK) built without the end-of-reply token gives
+    the hidden-state path's loss and gradients."""
+    inputs = make_inputs(seed=9)
+    inputs["targets"][0, 2] = END_OF_REPLY
+    teacher_output = nn.Linear(DIM, VOCAB, bias=False, dtype=torch.float64)
+    config = DistillConfig(alpha=0.5, top_k=5, end_of_reply="exclude")
+    direct = run(inputs, config, teacher_output=teacher_output, end_of_reply_token=END_OF_REPLY)
+    precomputed = teacher_topk(
+        inputs["teacher_hidden"],
+        teacher_output,
+        positions=inputs["teacher_positions"],
+        targets=inputs["targets"],
+        valid=inputs["completion_mask"] & inputs["has_teacher"][:, None],
+        config=config,
+        end_of_reply_token=END_OF_REPLY,
+    )
+    assert not bool((precomputed.indices == END_OF_REPLY).any())
+    got = run(
+        inputs,
+        config,
+        teacher_hidden=precomputed,
+        teacher_positions=None,
+        end_of_reply_token=END_OF_REPLY,
+    )
+    torch.testing.assert_close(got.loss, direct.loss, rtol=1e-12, atol=1e-14)
+    for mine, theirs in zip(grads(got.loss, inputs), grads(direct.loss, inputs), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-14)
 
 
 def test_masked_positions_contribute_nothing() -> None:

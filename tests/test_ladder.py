@@ -187,8 +187,9 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
 
 def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path: Path) -> None:
     """Two A4 seeds that logged log_channel_gradients (one with a skipped, NaN step) and an A1
-    seed that did not: A4's rows average each run over its finite steps, then mean ± std over
-    seeds; A1 gets no row; the plot is written."""
+    seed that did not: A4's rows (gradient norm and share, end-of-reply push and share) average
+    each run over its finite steps, then mean ± std over seeds; A1 gets no row; the plot is
+    written."""
     args = _args(tmp_path, "--arms", "a1", "a4", "--seeds", "0", "1", "--steps", "3")
     runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
     rng = random.Random(2)
@@ -196,10 +197,9 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
     results = {"settings": {"arms": ["a1", "a4"]}, "runs": {}}
     for run in runs:
         lines = ["Step 0 | eval/accuracy:0.5 "]
-        values = {
-            name: [rng.uniform(0.1, 8.0) for _ in range(3)]
-            for name in ("grad_norm", "grad_norm/policy", "grad_norm/dpo", "grad_share/policy")
-        }
+        names = ("grad_norm", "grad_norm/policy", "grad_norm/dpo", "grad_share/policy")
+        names += tuple(f"eos_{kind}/{c}" for kind in ("push", "share") for c in ("policy", "dpo"))
+        values = {name: [rng.uniform(0.1, 8.0) for _ in range(3)] for name in names}
         values["grad_share/dpo"] = [1.0 - share for share in values["grad_share/policy"]]
         if run.key == "a4/seed1":
             for series_values in values.values():
@@ -231,6 +231,8 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
             channel,
             cell(f"grad_norm/{channel}"),
             cell(f"grad_share/{channel}"),
+            cell(f"eos_push/{channel}"),
+            cell(f"eos_share/{channel}"),
             cell("grad_norm"),
             "2",
         ]
@@ -268,7 +270,8 @@ def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> 
         "cpu_smoke",
         ["eval_dataset.num_samples=32", "eval_dataset.seed=5", "dataset.max_digits=3"],
     )
-    runs = ladder.plan_runs(_args(tmp_path), ["warm_start.output_dir=/nowhere"], sft_cfg)
+    args = _args(tmp_path, "--arms", *ladder.ARMS)
+    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], sft_cfg)
     assert sorted({run.arm.key for run in runs}) == sorted(ladder.ARMS)
     # The recipes log their token counts at whatever cadence the config logs: none is forced.
     assert not [o for run in runs for o in run.overrides if o.startswith("logging.log_every")]
@@ -311,6 +314,119 @@ def test_overrides_go_to_every_arm_or_one(
             ladder.main(["--out", str(tmp_path), "--arms", "a1", "a2", "--override", bad])
         assert reason in capsys.readouterr().err
         assert not (tmp_path / "warm_start").exists()
+
+
+def test_ablation_arms_are_a4_with_one_channel_off_whatever_the_overrides(tmp_path: Path) -> None:
+    """Each "A4 minus one channel" arm runs composer_full with that channel's weight at 0, after
+    every --override (a sweep of that weight leaves the arm an ablation), and resolves to A4's
+    config but for that weight."""
+    args = _args(
+        tmp_path,
+        *("--arms", "a4", *ladder.ABLATION_ARMS, "--seeds", "0", "--steps", "2"),
+        *("--override", "sdpo.weight=0.5", "--override", "a4_no_dpo:optimizer.lr=2e-5"),
+    )
+    runs = {run.arm.key: run for run in ladder.plan_runs(args, [], _sft_cfg())}
+    for key, weight in (("a4_no_policy", "loss"), ("a4_no_sdpo", "sdpo"), ("a4_no_dpo", "dpo")):
+        command = runs[key].command()
+        assert command[2] == "recipes/composer_full.py"
+        assert command[-1] == f"{weight}.weight=0"
+        resolved = runs[key].resolved_config()
+        assert resolved[weight].weight == 0
+        a4 = runs["a4"].resolved_config()
+        assert a4[weight].weight != 0
+    assert runs["a4_no_dpo"].resolved_config().sdpo.weight == 0.5
+    assert runs["a4_no_dpo"].resolved_config().optimizer.lr == 2e-5
+    assert ladder.build_parser().parse_args([]).arms == ["a1", "a2", "a3", "a4", "diloco"]
+
+
+def test_contribution_table_equals_values_computed_by_hand(tmp_path: Path) -> None:
+    """A1, A4 and two ablation arms (two seeds each, one ablation seed failed): each arm's
+    final accuracy, tokens, final-step completion length and truncated share (mean ± std), and
+    for an ablation arm the channel it leaves out and A4's mean minus its own."""
+    arms = ["a1", "a4", "a4_no_sdpo", "a4_no_dpo"]
+    args = _args(tmp_path, "--arms", *arms, "--seeds", "0", "1", "--steps", "4")
+    rng = random.Random(5)
+    results = {"settings": {"arms": arms, "steps": 4}, "runs": {}}
+    truth: dict[str, dict[str, list[float]]] = {key: {} for key in arms}
+    for run in ladder.plan_runs(args, [], _sft_cfg()):
+        values = {
+            "accuracy": rng.random(),
+            "tokens": rng.randint(1000, 5000),
+            "length": rng.uniform(5, 24),
+            "truncated": rng.random(),
+        }
+        lines = ["Step 0 | eval/accuracy:0.1 "]
+        for step in (1, 2, 3):  # earlier steps: other values, not read
+            lines.append(f"Step {step} | completion_length/mean:99 truncation_rate:0.9 ")
+        lines.append(
+            f"Step 4 | completion_length/mean:{values['length']} "
+            f"truncation_rate:{values['truncated']} tokens/generated:{values['tokens']} "
+        )
+        lines.append(f"Step 4 | eval/accuracy:{values['accuracy']} ")
+        _write_log(run.log_dirs()[0], lines)
+        failed = run.key == "a4_no_dpo/seed1"
+        results["runs"][run.key] = ladder.run_record(run, 1 if failed else 0, 1.0)
+        if not failed:
+            for name, value in values.items():
+                truth[run.arm.key].setdefault(name, []).append(value)
+
+    rows = ladder.contribution_rows(results, arms)
+    assert rows[0].startswith("| arm | channel left out | held-out acc @ step 4 |")
+    digits = {"accuracy": 3, "tokens": 0, "length": 1, "truncated": 2}
+    for row, key in zip(rows[2:], arms, strict=True):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        expected = [ladder.ARMS[key].title, ladder.ARMS[key].without or "–"]
+        for name, places in digits.items():
+            own = truth[key][name]
+            if len(own) > 1:
+                mean, std = _mean_std_by_hand(own)
+                expected.append(f"{mean:.{places}f} ± {std:.{places}f}")
+            else:
+                expected.append(f"{own[0]:.{places}f}")
+            if key in ("a1", "a4"):
+                expected.append("–")
+            else:
+                change = sum(truth["a4"][name]) / 2 - sum(own) / len(own)
+                expected.append(f"{change:+.{places}f}")
+        expected.append(str(len(truth[key]["accuracy"])))
+        assert cells == expected
+    assert ladder.contribution_rows(results, ["a1", "a4"]) == []  # no ablation arm
+    assert "## What each A4 channel adds" in ladder.render_markdown(
+        {**results, "settings": {**results["settings"], **_settings(arms)}}
+    )
+    written = ladder.write_plots(results, tmp_path, ladder.require_matplotlib())
+    for name in ("completion_length.png", "truncation.png"):
+        assert tmp_path / name in written
+
+
+def _settings(arms: list[str]) -> dict:
+    return {"command": "x", "arms": arms, "seeds": [0, 1], "steps": 4, "eval_every": 4,
+            "heldout": {"seed": 1}}  # fmt: skip
+
+
+def test_a_ladder_that_imported_another_checkout_refuses_to_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(ladder, "imported_checkout", lambda: Path("/elsewhere"))
+    with pytest.raises(SystemExit):
+        ladder.main(["--arms", "a1", "--no-plots"])
+    assert f"run with PYTHONPATH={REPO_ROOT}" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert ladder.imported_checkout() == REPO_ROOT  # this test session's own checkout
+
+
+def test_runs_import_this_repository_first() -> None:
+    """`tune run` puts the working directory after site-packages, where an editable install of
+    another checkout would be imported instead: the runs get this repository on PYTHONPATH."""
+    env = ladder.subprocess_env(3)
+    assert env["PYTHONPATH"] == str(REPO_ROOT)
+    assert env["OMP_NUM_THREADS"] == "3"
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.append('.'); import composer_tune; "
+         "print(composer_tune.__file__)"],
+        env=env, cwd="/", capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert Path(probe.stdout.strip()).is_relative_to(REPO_ROOT)
 
 
 # ------------------------------------------------------------------------------ failures, resume

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from composer_tune.channels.gradients import ChannelGradients
 from composer_tune.channels.sdpo import (
     SDPOChannelConfig,
     TeacherContextConfig,
@@ -22,6 +23,7 @@ from composer_tune.channels.sdpo import (
     sdpo_channel_loss,
     select_teacher_rows,
 )
+from composer_tune.channels.sdpo.diagnostics import end_of_reply_probs
 from composer_tune.channels.sdpo.teacher import EMATeacher
 from composer_tune.data.tokenizer import ChatTokenizer
 from composer_tune.losses.distill import DistillConfig
@@ -425,3 +427,77 @@ def test_shared_prefix_student_forward_equals_the_plain_one(
         assert math.isclose(shared[3][name], plain[3][name], rel_tol=1e-4, abs_tol=1e-5), name
     for ours, theirs in zip(shared[4], plain[4], strict=True):
         assert (ours - theirs).norm() <= 1e-4 * theirs.norm() + 1e-7
+
+
+def test_excluding_the_end_of_reply_leaves_its_tokens_out_of_the_channel(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """``sdpo.loss.end_of_reply: exclude``: the teacher batch distils no end-of-reply token
+    (so the step's token mean does not count them), the student's end-of-reply logit gets no
+    gradient, and the loss is the per-token mean over the other completion tokens; the default
+    distils every completion token and moves that logit."""
+    rollouts = rollout_batch(tokenizer)
+    eos = tokenizer.eos_id
+    losses = {}
+    for setting in ("distill", "exclude"):
+        model = tiny_model()
+        cfg = channel_config(end_of_reply=setting)
+        teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
+        distilled = teacher_batch.tokens.gather(
+            1, (teacher_batch.prediction_positions + 1)[:, : teacher_batch.completion_mask.shape[1]]
+        )[teacher_batch.completion_mask]
+        # The gradient on the end-of-reply logit, as log_channel_gradients reads it.
+        split = ChannelGradients(model.parameters(), eos_token=eos)
+        with split.channel("sdpo"):
+            loss, metrics = sdpo_channel_loss(
+                split.watch(model), rollouts, tokenizer=tokenizer, cfg=cfg
+            )
+            loss.backward()
+        losses[setting] = (distilled, metrics, split.combine(distributed=False))
+    distilled, metrics, gradients = losses["exclude"]
+    assert eos not in distilled.tolist() and metrics["sdpo/valid_tokens"] == len(distilled)
+    assert gradients["eos_push/sdpo"] == 0 and gradients["eos_share/sdpo"] == 0
+    assert gradients["grad_norm/sdpo"] > 0
+    all_tokens, all_metrics, default_gradients = losses["distill"]
+    # One row has a teacher (row 0 succeeded, row 2 has no feedback), and it ends once.
+    assert (all_tokens == eos).sum() == 1
+    assert all_metrics["sdpo/valid_tokens"] == len(distilled) + 1
+    assert default_gradients["eos_share/sdpo"] > 0
+
+
+def test_end_of_reply_probs_read_both_prompts_at_every_completion_position(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """The diagnostic's student and teacher end-of-reply probabilities equal a softmax of the
+    full logits of the plain and the hinted sequence at the positions predicting each
+    completion token; rows without a teacher stay NaN."""
+    model = tiny_model().eval()
+    rollouts = rollout_batch(tokenizer)
+    cfg = channel_config()
+    teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
+    student, teacher, top = end_of_reply_probs(
+        model, rollouts, teacher_batch, tokenizer.eos_id, temperature=0.7
+    )
+    eos = tokenizer.eos_id
+    with torch.no_grad():
+        plain = torch.softmax(model(rollouts.tokens) / 0.7, -1)
+        hinted = torch.softmax(model(teacher_batch.tokens) / 0.7, -1)
+    for row in range(len(rollouts)):
+        length = int(rollouts.completion_lengths[row])
+        if not bool(teacher_batch.has_teacher[row]):
+            assert torch.isnan(student[row]).all() and torch.isnan(teacher[row]).all()
+            continue
+        start, hinted_start = (
+            int(rollouts.prompt_lengths[row]),
+            int(teacher_batch.prompt_lengths[row]),
+        )
+        for j in range(length):
+            assert float(student[row, j]) == pytest.approx(
+                float(plain[row, start + j - 1, eos]), rel=1e-4
+            )
+            assert float(teacher[row, j]) == pytest.approx(
+                float(hinted[row, hinted_start + j - 1, eos]), rel=1e-4
+            )
+            assert int(top[row, j]) == int(hinted[row, hinted_start + j - 1].argmax())
+        assert torch.isnan(student[row, length:]).all()
+    assert int(teacher_batch.has_teacher.sum()) == 1

@@ -234,3 +234,11 @@ def test_teacher_gap_tool_prints_the_gap_and_names_a_bad_checkpoint(
     assert match and str(smollm2_dir) in line, line
     assert tool.main(["--config", "smollm2", "--checkpoint", "/nonexistent"]) == 1
     assert "/nonexistent: neither a Hugging Face model directory" in capsys.readouterr().err
+    # --end-of-reply: one generation batch of 4 x 4; every row with a teacher in one table row.
+    small = ["num_prompts_per_generation=4", "group_size=4", "micro_batch_size=16"]
+    assert tool.main(["--config", "smollm2", "--end-of-reply", "1", *small]) == 0
+    table = capsys.readouterr().out.split("| rows | hint | n |", 1)[1]
+    counts = re.findall(
+        r"^\| (?:ended, correct|ended, wrong|cut off) \| [a-z]+ \| (\d+) \|", table, re.M
+    )
+    assert counts and sum(map(int, counts)) <= 16, table

@@ -101,6 +101,10 @@ ACCURACY, REWARD, GENERATED = "eval/accuracy", "reward/mean", "tokens/generated"
 # log_channel_gradients: each channel's gradient norm before clipping, its share of the step,
 # and the step's norm before clipping.
 CHANNEL_NORM, CHANNEL_SHARE, STEP_NORM = "grad_norm/", "grad_share/", "grad_norm"
+# ... and each channel's logit gradient on the end-of-reply token (> 0: shortens replies).
+EOS_PUSH, EOS_SHARE = "eos_push/", "eos_share/"
+# Sampled training completions: mean length and the share cut off at max_new_tokens.
+LENGTH, TRUNCATED = "completion_length/mean", "truncation_rate"
 LOG_TAIL_CHARS = 4000
 # Console lines echoed while a run goes (the rest is in its run.log).
 PROGRESS_MARKERS = ("held-out accuracy", "Error", "error:")
@@ -114,6 +118,10 @@ class Arm:
     title: str
     recipe: str  # path from the repository root
     replicas: int = 1  # > 1: DiLoCo replicas under tools/launch_diloco.py
+    # The arm's own key=value settings, after every --override (an ablation arm stays one).
+    overrides: tuple[str, ...] = ()
+    # An ablation arm: the A4 channel it leaves out (its contribution is A4 minus this arm).
+    without: str | None = None
 
 
 ARMS = {
@@ -123,6 +131,29 @@ ARMS = {
         Arm("a2", "A2 SDPO", "recipes/sdpo.py"),
         Arm("a3", "A3 trace-replay DPO", "recipes/replay_dpo.py"),
         Arm("a4", "A4 composer_full", "recipes/composer_full.py"),
+        # "A4 minus one channel": composer_full with that channel's weight at 0 (the same
+        # recipe and settings as A4 otherwise). A4 minus SDPO is A1+3, minus DPO is A1+2.
+        Arm(
+            "a4_no_policy",
+            "A4 minus GRPO (channels 2+3)",
+            "recipes/composer_full.py",
+            overrides=("loss.weight=0",),
+            without="GRPO (channel 1)",
+        ),
+        Arm(
+            "a4_no_sdpo",
+            "A4 minus SDPO (A1+3)",
+            "recipes/composer_full.py",
+            overrides=("sdpo.weight=0",),
+            without="SDPO (channel 2)",
+        ),
+        Arm(
+            "a4_no_dpo",
+            "A4 minus trace-replay DPO (A1+2)",
+            "recipes/composer_full.py",
+            overrides=("dpo.weight=0",),
+            without="trace-replay DPO (channel 3)",
+        ),
         Arm(
             "diloco",
             "DiLoCo (A4 loop, 2 replicas)",
@@ -139,6 +170,8 @@ PEER_ARMS = {
     for arm in (Arm("trl_sdpo", "TRL 1.16 SDPOTrainer (peer)", "tools/trl_sdpo_peer.py"),)
 }
 TITLED_ARMS = {**ARMS, **PEER_ARMS}  # every arm a results table can hold, in table order
+DEFAULT_ARMS = ["a1", "a2", "a3", "a4", "diloco"]
+ABLATION_ARMS = [key for key, arm in ARMS.items() if arm.without is not None]
 SFT_RECIPE = "recipes/sft.py"
 NO_SFT = "none"  # --sft-config value: no SFT run, the arms start from their configs' checkpoint
 # The training-task keys every arm takes from the SFT config (each arm keeps its own data seed).
@@ -281,7 +314,14 @@ def plan_runs(
                     f"diloco.sync_every={args.diloco_sync_every}",
                     f"eval_every_n_outer_steps={args.eval_every // args.diloco_sync_every}",
                 ]
-            overrides = [f"output_dir={run_dir}", f"seed={seed}", *shared, *cadence, *per_arm[key]]
+            overrides = [
+                f"output_dir={run_dir}",
+                f"seed={seed}",
+                *shared,
+                *cadence,
+                *per_arm[key],
+                *arm.overrides,
+            ]
             runs.append(PlannedRun(arm, seed, run_dir, overrides, args.config))
     return runs
 
@@ -613,8 +653,8 @@ def channel_gradient_rows(results: dict[str, Any], arms: Sequence[str]) -> list[
         step_norms = [run_average(replica_mean_series(r, STEP_NORM)) for r in records]
         for channel in channels:
             cells = [TITLED_ARMS[key].title, channel]
-            for name in (CHANNEL_NORM + channel, CHANNEL_SHARE + channel):
-                averages = [run_average(replica_mean_series(r, name)) for r in records]
+            for prefix in (CHANNEL_NORM, CHANNEL_SHARE, EOS_PUSH, EOS_SHARE):
+                averages = [run_average(replica_mean_series(r, prefix + channel)) for r in records]
                 cells.append(fmt_mean_std([v for v in averages if v is not None], 3))
             cells.append(fmt_mean_std([v for v in step_norms if v is not None], 3))
             cells.append(str(len(records)))
@@ -623,9 +663,62 @@ def channel_gradient_rows(results: dict[str, Any], arms: Sequence[str]) -> list[
         return []
     header = (
         "| arm | channel | gradient norm before clipping | share of the step "
+        "| push on the end-of-reply logit | share of the logit gradient on the end of reply "
         "| step's gradient norm before clipping | seeds |"
     )
-    return [header, "|" + " --- |" * 6, *rows]
+    return [header, "|" + " --- |" * 8, *rows]
+
+
+def final_training_value(record: dict[str, Any], name: str, step: int) -> float | None:
+    """A training metric at ``step`` (replicas averaged), None where the run did not log it."""
+    return value_at(replica_mean_series(record, name), step)
+
+
+def contribution_rows(results: dict[str, Any], arms: Sequence[str]) -> list[str]:
+    """The A4 ablation table (empty without A4 and an "A4 minus one channel" arm): per arm
+    (A1 and A4 beside the ablations), the final held-out accuracy, generated tokens, and the
+    sampled completions' mean length and truncated share at the final step, each mean ± std over
+    seeds; for an ablation arm, the channel it leaves out and that channel's contribution, A4's
+    mean minus the arm's (what the channel adds to A4)."""
+    ablations = [key for key in arms if ARMS.get(key) and ARMS[key].without is not None]
+    if "a4" not in arms or not ablations or not ok_records(results, "a4"):
+        return []
+    final = results["settings"]["steps"]
+
+    def figures(key: str) -> dict[str, list[float]]:
+        records = ok_records(results, key)
+        values = {
+            "accuracy": [value_at(accuracy_series(r), final) for r in records],
+            "tokens": [r["generated_tokens"] for r in records],
+            "length": [final_training_value(r, LENGTH, final) for r in records],
+            "truncated": [final_training_value(r, TRUNCATED, final) for r in records],
+        }
+        return {name: [v for v in found if v is not None] for name, found in values.items()}
+
+    a4 = figures("a4")
+    digits = {"accuracy": 3, "tokens": 0, "length": 1, "truncated": 2}
+    rows = []
+    for key in [k for k in ("a1", "a4") if k in arms] + ablations:
+        own = figures(key)
+        cells = [TITLED_ARMS[key].title, ARMS[key].without or "–"]
+        for name, places in digits.items():
+            cells.append(fmt_mean_std(own[name], places))
+            if ARMS[key].without is None:
+                cells.append("–")
+            elif own[name] and a4[name]:
+                change = statistics.fmean(a4[name]) - statistics.fmean(own[name])
+                cells.append(f"{change:+.{places}f}")
+            else:
+                cells.append("–")
+        cells.append(str(len(ok_records(results, key))))
+        rows.append("| " + " | ".join(cells) + " |")
+    header = (
+        f"| arm | channel left out | held-out acc @ step {final} | its contribution "
+        "| generated tokens / run | its contribution "
+        f"| completion length @ step {final} | its contribution "
+        f"| truncated @ step {final} | its contribution | seeds |"
+    )
+    return [header, "|" + " --- |" * 11, *rows]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -650,19 +743,26 @@ def render_markdown(results: dict[str, Any]) -> str:
         "sampled, the runs' logged `tokens/generated` (summed over replicas); prompt tokens and "
         "DPO pairs not included.",
     ]
-    gradient_rows = channel_gradient_rows(results, settings["arms"])
-    if gradient_rows:
-        lines += [
-            "",
-            "## Channel gradients",
-            "",
-            *gradient_rows,
-            "",
-            "Logged with `log_channel_gradients=true`: each channel's gradient norm before the "
-            "clip and its share `<g_c, g> / |g|^2` of the step (the shares sum to 1; clipping "
-            "scales every channel alike). Each run's values averaged over its steps, then mean ± "
-            "std over seeds; per step in channel_gradients.png.",
-        ]
+    lines += _section(
+        "Channel gradients",
+        channel_gradient_rows(results, settings["arms"]),
+        "Logged with `log_channel_gradients=true`: each channel's gradient norm before the "
+        "clip and its share `<g_c, g> / |g|^2` of the step (the shares sum to 1; clipping "
+        "scales every channel alike). Each run's values averaged over its steps, then mean ± "
+        "std over seeds; per step in channel_gradients.png. Where logged, each channel's "
+        "push on the end-of-reply logit, `-sum dL_c/dz_eos` over the positions it scores "
+        "(> 0: its step makes replies end sooner; < 0: later), and the share of its logit "
+        "gradient's absolute mass on that token.",
+    )
+    lines += _section(
+        "What each A4 channel adds",
+        contribution_rows(results, settings["arms"]),
+        "An ablation arm is A4 with one channel's weight at 0 and nothing else changed; a "
+        "channel's contribution is A4's mean minus that arm's (what adding the channel to the "
+        "other two gives). Completion length and truncated share: the sampled training "
+        "completions of the final step (truncated: cut off at max_new_tokens). Per step in "
+        "completion_length.png and truncation.png.",
+    )
     failed = [r for r in results["runs"].values() if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -673,6 +773,11 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"(log: `{record['log']}`; tail in results.json)"
             )
     return "\n".join(lines) + "\n"
+
+
+def _section(title: str, rows: list[str], note: str) -> list[str]:
+    """A results.md section: its title, table and note; nothing for no rows."""
+    return ["", f"## {title}", "", *rows, "", note] if rows else []
 
 
 def band_series(
@@ -716,11 +821,23 @@ def write_plots(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
     for name, title, series_of, marker in (
         ("accuracy.png", "held-out accuracy", accuracy_series, "o"),  # a few evaluations
         ("reward.png", "training reward (reward/mean)", reward_series, None),  # every step
+        (
+            "completion_length.png",
+            "mean sampled completion length (tokens)",
+            lambda record: replica_mean_series(record, LENGTH),
+            None,
+        ),
+        (
+            "truncation.png",
+            "sampled completions cut off at max_new_tokens",
+            lambda record: replica_mean_series(record, TRUNCATED),
+            None,
+        ),
     ):
         figure, axes = plt.subplots(figsize=(7, 4.5))
         for key in results["settings"]["arms"]:
             records = ok_records(results, key)
-            steps, means, stds = band_series([series_of(r) for r in records])
+            steps, means, stds = band_series([series_of(r) for r in records if series_of(r)])
             if not steps:
                 continue
             (line,) = axes.plot(
@@ -752,13 +869,23 @@ def _plot_channel_gradients(results: dict[str, Any], out: Path, plt: Any) -> Pat
             curves.append((key, channel, records))
     if not curves:
         return None
-    figure, (norm_axes, share_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    eos = any(
+        name.startswith(EOS_PUSH)
+        for _, _, records in curves
+        for record in records
+        for metrics in record["metrics"]
+        for name in metrics
+    )
+    figure, panels = plt.subplots(1, 3 if eos else 2, figsize=(18 if eos else 12, 4.5))
+    norm_axes, share_axes = panels[:2]
+    prefixes = [CHANNEL_NORM, CHANNEL_SHARE, EOS_PUSH][: len(panels)]
     for key, channel, records in curves:
         label = f"{TITLED_ARMS[key].title}: {channel} (n={len(records)})"
-        for axes, prefix in ((norm_axes, CHANNEL_NORM), (share_axes, CHANNEL_SHARE)):
-            steps, means, stds = band_series(
-                [finite_points(replica_mean_series(r, prefix + channel)) for r in records]
-            )
+        for axes, prefix in zip(panels, prefixes, strict=True):
+            per_seed = [finite_points(replica_mean_series(r, prefix + channel)) for r in records]
+            steps, means, stds = band_series([points for points in per_seed if points])
+            if not steps:
+                continue
             (line,) = axes.plot(steps, means, label=label)
             low = [m - s for m, s in zip(means, stds, strict=True)]
             high = [m + s for m, s in zip(means, stds, strict=True)]
@@ -770,7 +897,10 @@ def _plot_channel_gradients(results: dict[str, Any], out: Path, plt: Any) -> Pat
     norm_axes.yaxis.set_minor_formatter(plain)
     share_axes.set_ylabel("share of the step  <g_c, g> / |g|^2")
     share_axes.axhline(0.0, color="grey", linewidth=0.8)
-    for axes in (norm_axes, share_axes):
+    if eos:
+        panels[2].set_ylabel("push on the end-of-reply logit  -sum dL_c/dz_eos")
+        panels[2].axhline(0.0, color="grey", linewidth=0.8)
+    for axes in panels:
         axes.set_xlabel("optimizer step")
         axes.xaxis.get_major_locator().set_params(integer=True)
         axes.grid(alpha=0.3)
@@ -906,7 +1036,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/ladder"), help="results folder")
     parser.add_argument(
-        "--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms to run"
+        "--arms",
+        nargs="+",
+        choices=list(ARMS),
+        default=DEFAULT_ARMS,
+        help="arms to run; the A4 ablations (A4 minus one channel): " + " ".join(ABLATION_ARMS),
     )
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per arm-run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm")
@@ -979,8 +1113,11 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 
 def subprocess_env(omp_threads: int) -> dict[str, str]:
-    """The runs' environment: this one, OMP_NUM_THREADS pinned, unbuffered output."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    """The runs' environment: this one, this repository first on PYTHONPATH (``tune run``
+    appends the working directory to ``sys.path`` after site-packages, where an editable
+    install of another checkout would win), OMP_NUM_THREADS pinned, unbuffered output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT)
     env["OMP_NUM_THREADS"] = str(omp_threads)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -1034,10 +1171,25 @@ def save(results: dict[str, Any], out: Path, plt: Any | None) -> None:
         write_plots(results, out, plt)
 
 
+def imported_checkout() -> Path:
+    """The checkout this process imported ``composer_tune`` from. An editable install's ``.pth``
+    imports it at interpreter start, before this file puts its repository first on the path, so
+    another checkout's package (and its config schemas) can win."""
+    import composer_tune
+
+    return Path(composer_tune.__file__).resolve().parent.parent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(args, parser)
+    if imported_checkout() != REPO_ROOT:
+        parser.error(
+            f"composer_tune was imported from {imported_checkout()}, not from this checkout "
+            f"({REPO_ROOT}), so configs would be checked against another version: run with "
+            f"PYTHONPATH={REPO_ROOT}"
+        )
     plt = None if args.no_plots else require_matplotlib()  # fail before the compute, not after
     if args.combine:
         try:

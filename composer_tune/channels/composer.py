@@ -380,10 +380,12 @@ class ComposerObjective:
         result = StepLosses()
         channels_on = sum((use_policy and rows is not None, use_sdpo, pair_batch is not None))
         split = (
-            ChannelGradients(self.model.parameters())
+            ChannelGradients(self.model.parameters(), eos_token=self.tokenizer.eos_id)
             if self.log_channel_gradients and channels_on > 1
             else None
         )
+        # With the gradients told apart, each channel's logit gradient on the end of reply too.
+        model = split.watch(self.model) if split is not None else self.model
         # Channels 1 and 2 share the student forward unless their gradients are told apart:
         # then each runs its own forward and backward (a second backward through a shared
         # graph would recompute checkpointed layers from FSDP2's resharded parameters).
@@ -430,7 +432,7 @@ class ComposerObjective:
                     }
                     if one_student_forward:  # both channels' terms from one forward
                         logp, entropy, sdpo_loss, metrics = logprobs_with_sdpo(
-                            self.model,
+                            model,
                             micro,
                             shared_prefix=self.shared_prefix,
                             **sdpo_args,
@@ -441,7 +443,7 @@ class ComposerObjective:
                         sdpo_total += float(sdpo_loss.detach())
                     else:
                         logp, entropy = rollout_logprobs(
-                            self.model,
+                            model,
                             micro,
                             shared_prefix=self.shared_prefix,
                             return_entropy=True,
@@ -470,7 +472,7 @@ class ComposerObjective:
                         weighted_policy.backward()
             if use_sdpo and not one_student_forward:  # channel 2's own student forward
                 with channel_scope(split, "sdpo"):
-                    sdpo_loss, metrics = sdpo_channel_loss(self.model, micro, **sdpo_args)
+                    sdpo_loss, metrics = sdpo_channel_loss(model, micro, **sdpo_args)
                     sdpo_loss = with_router_loss(sdpo_loss)
                     result.sdpo_metrics.append(metrics)
                     loss = loss + sdpo_loss
@@ -486,7 +488,7 @@ class ComposerObjective:
         if pair_batch is not None:  # channel 3: one forward over this rank's pairs
             with channel_scope(split, "dpo"):
                 pair_loss, pair_metrics = pair_loss_backward(
-                    self.model,
+                    model,
                     pair_batch,
                     channels.dpo,
                     reference_model=self.reference,

@@ -41,6 +41,15 @@ of one optimiser step); samples without a teacher contribute nothing and do not 
 (TRL 1.16's ``SDPOTrainer``): each sample's mean over its valid tokens, averaged over all samples
 (or divided by ``normalizer``, a sample count), those without a teacher counting as 0.
 
+``end_of_reply="exclude"``: the end-of-reply token (``<|im_end|>``, named by the caller) is
+never distilled. Positions where the student ended its reply leave the loss, and at every other
+position both distributions are renormalised over the remaining tokens (the student's
+end-of-reply logit is set to a huge negative value, so it gets no gradient): the teacher teaches
+what to say if the reply goes on, never when to stop. Why: a hinted teacher's context is longer
+and ends in an instruction, and on SmolLM2 it puts less mass on ending than the student at the
+student's own stopping position (docs/a4_channel_gradients/length.md), which the default
+distils into longer replies.
+
 ``mode="sampled_token"`` (TRL 1.16's default ``distillation_mode``): instead of a divergence
 over the vocabulary, each valid token contributes ``sg(log S(y) - log T(y)) * log S(y)`` for
 the sampled token ``y``, whose gradient is a one-sample estimate of reverse KL's (``alpha`` must
@@ -91,6 +100,10 @@ from composer_tune.losses.logprobs import OutputModule, _at_least_float32
 TOP_K_SUPPORTS = ("teacher", "student")
 MODES = ("logits", "sampled_token")
 AVERAGINGS = ("token", "row")
+END_OF_REPLY = ("distill", "exclude")
+# The logit an excluded token gets: exp() of it is 0 in float32, and unlike -inf it keeps
+# p * (log p - log q) at 0 instead of NaN where both sides exclude the token.
+_EXCLUDED_LOGIT = -1.0e30
 # SDPO clamps the log importance ratio to this range before exponentiating.
 _MAX_LOG_RATIO = 20.0
 
@@ -112,6 +125,9 @@ class DistillConfig:
         (reverse KL through the sampled token, TRL's default; see the module docstring).
     averaging: ``token`` (mean over valid tokens) or ``row`` (mean over samples of each
         sample's token mean, TRL's).
+    end_of_reply: ``distill`` (the end-of-reply token is distilled like any other) or
+        ``exclude`` (never: see the module docstring; :func:`distill_loss` then needs
+        ``end_of_reply_token``).
     """
 
     alpha: float = 0.5
@@ -124,6 +140,7 @@ class DistillConfig:
     chunk_size: int = 256
     mode: str = "logits"
     averaging: str = "token"
+    end_of_reply: str = "distill"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -143,7 +160,11 @@ class DistillConfig:
                 raise ValueError(f"DistillConfig.{name} must be > 0 or None, got {value}")
         if self.chunk_size < 1:
             raise ValueError(f"DistillConfig.chunk_size must be >= 1, got {self.chunk_size}")
-        for name, choices in (("mode", MODES), ("averaging", AVERAGINGS)):
+        for name, choices in (
+            ("mode", MODES),
+            ("averaging", AVERAGINGS),
+            ("end_of_reply", END_OF_REPLY),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(
                     f"DistillConfig.{name} must be one of {choices}, got {getattr(self, name)!r}"
@@ -245,6 +266,7 @@ def distill_loss(
     old_logprobs: Tensor | None = None,
     teacher_output_module: OutputModule | None = None,
     normalizer: float | Tensor | None = None,
+    end_of_reply_token: int | None = None,
 ) -> DistillOutput:
     """The SDPO distillation loss from final hidden states, chunked and checkpointed.
 
@@ -274,6 +296,9 @@ def distill_loss(
             the valid tokens (samples) of every micro-batch on every rank, divided by the number
             of ranks when the data-parallel backend averages gradients (as ``policy_loss``'s
             ``num_items_in_batch``).
+        end_of_reply_token: the end-of-reply token id; required with
+            ``config.end_of_reply="exclude"``, which leaves it out of the loss (positions whose
+            target it is are not valid, and both distributions are renormalised without it).
 
     Returns:
         A :class:`DistillOutput`. With no valid token the loss is an exact 0 that still runs
@@ -310,8 +335,11 @@ def distill_loss(
         old_logprobs,
         config,
     )
+    excluded = _excluded_token(config, end_of_reply_token)
     batch, completion_len = targets.shape
     valid = completion_mask.bool() & has_teacher.bool().unsqueeze(-1)
+    if excluded is not None:
+        valid = valid & (targets != excluded)
     if (
         teacher_hidden is not None
         and config.top_k is not None
@@ -326,6 +354,7 @@ def distill_loss(
             targets=targets,
             valid=valid,
             config=config,
+            end_of_reply_token=end_of_reply_token,
         )
         teacher_hidden = None
     rows, columns = valid.nonzero(as_tuple=True)
@@ -337,7 +366,12 @@ def distill_loss(
             teacher.logprobs[rows, columns],
             teacher.target_logprobs[rows, columns],
         )
-        run_chunk = partial(_chunk_with_topk_teacher, output_module=output_module, config=config)
+        run_chunk = partial(
+            _chunk_with_topk_teacher,
+            output_module=output_module,
+            config=config,
+            excluded=excluded,
+        )
     else:
         teacher_rows = (teacher_hidden.detach()[rows, teacher_positions[rows, columns]],)
         run_chunk = partial(
@@ -347,6 +381,7 @@ def distill_loss(
             if teacher_output_module is None
             else teacher_output_module,
             config=config,
+            excluded=excluded,
         )
     use_checkpoint = torch.is_grad_enabled()
     pieces: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
@@ -416,6 +451,7 @@ def teacher_topk(
     targets: Tensor,
     valid: Tensor,
     config: DistillConfig,
+    end_of_reply_token: int | None = None,
 ) -> TeacherTopK:
     """The teacher's top-k side (:class:`TeacherTopK`) from its hidden states, chunk by chunk.
 
@@ -428,6 +464,9 @@ def teacher_topk(
         valid: ``bool[B, C]``, where to compute (completion tokens of rows with a teacher).
         config: needs ``top_k`` set and ``top_k_support="teacher"``; temperature as for the
             loss.
+        end_of_reply_token: as for :func:`distill_loss` (required with
+            ``end_of_reply="exclude"``: the teacher's distribution is then renormalised
+            without it).
     """
     if config.top_k is None or config.top_k_support != "teacher":
         raise ValueError(
@@ -440,6 +479,7 @@ def teacher_topk(
                 f"teacher_topk: {name} has shape {tuple(tensor.shape)}, expected targets' "
                 f"{tuple(targets.shape)}"
             )
+    excluded = _excluded_token(config, end_of_reply_token)
     batch, completion_len = targets.shape
     dtype = torch.promote_types(teacher_hidden.dtype, torch.float32)
     indices = torch.zeros(
@@ -455,7 +495,7 @@ def teacher_topk(
     for start in range(0, rows.numel(), config.chunk_size):
         chunk = slice(start, start + config.chunk_size)
         buckets, top, target_logp = _teacher_side(
-            hidden_rows[chunk], row_targets[chunk], output_module, config, dtype
+            hidden_rows[chunk], row_targets[chunk], output_module, config, dtype, excluded
         )
         where = (rows[chunk], columns[chunk])
         indices[where], logprobs[where], target_logprobs[where] = top, buckets, target_logp
@@ -470,13 +510,15 @@ def _chunk_divergence(
     output_module: OutputModule,
     teacher_output_module: OutputModule,
     config: DistillConfig,
+    excluded: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-row objective (the divergence; with ``mode="sampled_token"`` the student's
     differentiable log-prob of its token), both sides' log-prob of ``targets`` (no gradient)
-    and whether their most likely tokens differ, for one chunk of rows."""
-    student_logits = _at_least_float32(output_module(student_rows))
+    and whether their most likely tokens differ, for one chunk of rows (``excluded``: a token
+    left out of both distributions)."""
+    student_logits = _without_token(_at_least_float32(output_module(student_rows)), excluded)
     teacher, indices, teacher_target_logp = _teacher_side(
-        teacher_rows, targets, teacher_output_module, config, student_logits.dtype
+        teacher_rows, targets, teacher_output_module, config, student_logits.dtype, excluded
     )
     # The teacher's full log-probs, or (teacher support) its top-k, most likely first.
     teacher_top1 = teacher.argmax(-1) if indices is None else indices[:, 0]
@@ -504,9 +546,11 @@ def _chunk_with_topk_teacher(
     *,
     output_module: OutputModule,
     config: DistillConfig,
+    excluded: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_chunk_divergence` with the teacher's top-k side given (see :class:`TeacherTopK`)."""
-    student_logits = _at_least_float32(output_module(student_rows))
+    """:func:`_chunk_divergence` with the teacher's top-k side given (see :class:`TeacherTopK`;
+    built without the ``excluded`` token when there is one)."""
+    student_logits = _without_token(_at_least_float32(output_module(student_rows)), excluded)
     top1_differs = student_logits.detach().argmax(-1) != indices[:, 0]  # topk sorts
     divergence, student_target_logp = _StudentDivergence.apply(
         student_logits,
@@ -532,11 +576,14 @@ def _teacher_side(
     teacher_output_module: OutputModule,
     config: DistillConfig,
     dtype: torch.dtype,
+    excluded: int | None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The teacher's log-probs of one chunk of rows: ``(log-probs [n, V], or bucketed
     [n, k + 1] when the teacher picks the top-k support; the top-k indices or None; the
-    log-prob of each target)``."""
-    logits = _at_least_float32(teacher_output_module(teacher_rows)).to(dtype)
+    log-prob of each target)``, renormalised without the ``excluded`` token if one is given."""
+    logits = _without_token(
+        _at_least_float32(teacher_output_module(teacher_rows)).to(dtype), excluded
+    )
     teacher = torch.log_softmax(logits / config.temperature, dim=-1)
     del logits
     target_logp = teacher.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -552,6 +599,27 @@ def _teacher_side(
         return teacher, None, target_logp
     indices = teacher.topk(config.top_k, dim=-1).indices
     return topk_with_tail(teacher, indices), indices, target_logp
+
+
+def _excluded_token(config: DistillConfig, end_of_reply_token: int | None) -> int | None:
+    """The token ``config`` leaves out of the loss (None: none)."""
+    if config.end_of_reply == "distill":
+        return None
+    if end_of_reply_token is None:
+        raise ValueError(
+            "distill_loss: DistillConfig.end_of_reply='exclude' needs end_of_reply_token "
+            "(the end-of-reply token id)"
+        )
+    return end_of_reply_token
+
+
+def _without_token(logits: Tensor, token: int | None) -> Tensor:
+    """``logits`` ``[n, V]`` with ``token``'s column at :data:`_EXCLUDED_LOGIT` (out of place,
+    so no gradient reaches that logit); ``logits`` itself for no token."""
+    if token is None:
+        return logits
+    index = torch.tensor([token], device=logits.device)
+    return logits.index_fill(-1, index, _EXCLUDED_LOGIT)
 
 
 class _StudentDivergence(torch.autograd.Function):

@@ -124,7 +124,8 @@ def build_sdpo_teacher_batch(
     On agent episodes the ``feedback`` hint is the environment's text at the episode's error
     turn (the failing tool call's observation, or the reward's feedback on the final answer),
     and only the model's tokens of the turns ``sdpo.context.distill_turns`` names are
-    distilled (``TeacherBatch.completion_mask``).
+    distilled (``TeacherBatch.completion_mask``). With ``sdpo.loss.end_of_reply: exclude`` the
+    end-of-reply tokens are not distilled either (nor counted in the loss's token mean).
     """
     known = (
         rollouts.correct_known.tolist()
@@ -158,9 +159,21 @@ def build_sdpo_teacher_batch(
         group_ids=rollouts.group_ids.tolist(),
         device=rollouts.tokens.device,
     )
-    if rollouts.episodes is None:
-        return batch
-    return _distil_episode_turns(batch, rollouts, cfg.context.distill_turns)
+    if rollouts.episodes is not None:
+        batch = _distil_episode_turns(batch, rollouts, cfg.context.distill_turns)
+    if cfg.loss.end_of_reply == "exclude":
+        batch = _without_end_of_reply(batch, tokenizer.eos_id)
+    return batch
+
+
+def _without_end_of_reply(batch: TeacherBatch, end_of_reply_token: int) -> TeacherBatch:
+    """``batch`` with the completion positions that hold ``end_of_reply_token`` undistilled."""
+    # Masked entries point at column 1, which a batch without any teacher may lack.
+    columns = (batch.prediction_positions + 1).clamp(max=batch.tokens.shape[1] - 1)
+    completion_tokens = batch.tokens.gather(1, columns)
+    return dataclasses.replace(
+        batch, completion_mask=batch.completion_mask & (completion_tokens != end_of_reply_token)
+    )
 
 
 def _distil_episode_turns(
@@ -263,6 +276,7 @@ def _teacher_view(
     cfg: SDPOChannelConfig,
     *,
     own_projection: bool,
+    end_of_reply_token: int | None,
 ) -> tuple[Any, Any]:
     """Run the teacher; returns ``(hidden states or TeacherTopK, its output module or None)``.
 
@@ -286,6 +300,7 @@ def _teacher_view(
                     targets=alignment.targets,
                     valid=valid,
                     config=cfg.loss,
+                    end_of_reply_token=end_of_reply_token,
                 ),
             ),
             None,
@@ -304,6 +319,7 @@ def _distill_head(
     alignment: _Alignment,
     cfg: SDPOChannelConfig,
     normalizer: float | Tensor | None,
+    end_of_reply_token: int | None,
 ) -> Callable[[Tensor, Any], DistillOutput]:
     """The student's ``head_fn`` computing the distillation loss from its hidden states."""
     teacher, teacher_output = teacher_view
@@ -322,6 +338,7 @@ def _distill_head(
             old_logprobs=alignment.old_logprobs,
             teacher_output_module=teacher_output,
             normalizer=normalizer,
+            end_of_reply_token=end_of_reply_token,
         )
 
     return head
@@ -344,14 +361,18 @@ def _prepare(
     if teacher_batch is None:
         teacher_batch = build_sdpo_teacher_batch(rollouts, tokenizer=tokenizer, cfg=cfg)
     alignment = _align(rollouts, teacher_batch, need_old_logprobs=cfg.loss.is_clip is not None)
+    # Only the end_of_reply="exclude" setting reads the token.
+    end_of_reply_token = tokenizer.eos_id if cfg.loss.end_of_reply == "exclude" else None
     view = _teacher_view(
         teacher_model if cfg.teacher == "ema" else model,
         teacher_batch,
         alignment,
         cfg,
         own_projection=cfg.teacher == "ema",
+        end_of_reply_token=end_of_reply_token,
     )
-    return _distill_head(view, teacher_batch, alignment, cfg, normalizer), teacher_batch
+    head = _distill_head(view, teacher_batch, alignment, cfg, normalizer, end_of_reply_token)
+    return head, teacher_batch
 
 
 def _metrics(result: DistillOutput, teacher_batch: TeacherBatch) -> dict[str, float]:
