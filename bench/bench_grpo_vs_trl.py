@@ -597,6 +597,15 @@ def trl_tokenizer(args: argparse.Namespace, checkpoint: Path) -> Any:
     return tokenizer
 
 
+def trl_tools(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """The tool schemas TRL renders into the prompt: the calculator's for --episodes."""
+    if not args.episodes:
+        return None
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(CalculatorEnvironment().calculate)]
+
+
 class TRLSide:
     """TRL's step times (a TrainerCallback clocks each optimiser step from ``on_step_begin``,
     before TRL generates, to ``on_step_end``, after its AdamW step) and mean completion
@@ -666,17 +675,16 @@ def clock_composer_phases(clock: PhaseClock, steps: list[ComposerStep]) -> None:
 
 
 def trl_prompt_ids(
-    args: argparse.Namespace, checkpoint: Path, samples: list[dict[str, Any]]
+    tokenizer: Any,
+    samples: list[dict[str, Any]],
+    thinking: bool | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[list[int]]:
-    """The prompt ids TRL generates from: the tokenizer's Jinja chat template (with the
-    environment's tool for --episodes)."""
-    from transformers.utils import get_json_schema
-
-    tokenizer = trl_tokenizer(args, checkpoint)
-    thinking = enable_thinking(args)
+    """The prompt ids TRL generates from: ``tokenizer``'s Jinja chat template (with ``tools``'
+    schemas for episodes)."""
     kwargs: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
-    if args.episodes:
-        kwargs["tools"] = [get_json_schema(CalculatorEnvironment().calculate)]
+    if tools:
+        kwargs["tools"] = tools
     return [
         tokenizer.apply_chat_template(
             s["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
@@ -832,7 +840,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(tmp)
         checkpoint = prepare_checkpoint(args, workdir)
         ours = composer_prompt_ids(args, checkpoint, samples)
-        same_prompts = ours == trl_prompt_ids(args, checkpoint, samples)
+        same_prompts = ours == trl_prompt_ids(
+            trl_tokenizer(args, checkpoint), samples, enable_thinking(args), trl_tools(args)
+        )
         # Memory first, while this process holds no model: a worker's peak then has the
         # machine's memory to itself.
         memory = {}

@@ -377,6 +377,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     import trl
     from datasets import Dataset
+    from transformers import AutoTokenizer
 
     if not trl.__version__.startswith(TRL_VERSION):
         print(f"warning: TRL {trl.__version__}; this peer maps TRL {TRL_VERSION}'s SDPOConfig")
@@ -393,7 +394,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     thinking = None if cfg.enable_thinking else False
     same_prompts = encode_prompts(
         peer.tokenizer, samples, enable_thinking=cfg.enable_thinking
-    ) == trl_prompt_ids(checkpoint, samples, thinking)
+    ) == trl_prompt_ids(AutoTokenizer.from_pretrained(checkpoint), samples, thinking)
     print(f"prompt token ids identical (project renderer vs TRL's chat template): {same_prompts}")
     trainer = SDPOTrainer(
         model=str(checkpoint),
