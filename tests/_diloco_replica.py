@@ -28,7 +28,7 @@ ones. Both stop rules look only at committed syncs, which every replica in a quo
 so all replicas stop at the same outer step.
 
 Also a test device for tests/test_diloco_recipe.py: :class:`FormatRewardOverflowAt`, a reward that
-overflows (+inf) at chosen calls, so that a recipe run skips chosen steps.
+overflows (the largest finite float) at chosen calls, so that a recipe run skips chosen steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
@@ -63,9 +62,10 @@ INNER_LR = 3e-3
 
 class FormatRewardOverflowAt(FormatReward):
     """``FormatReward`` whose ``overflow_calls``-th calls (1-based) score every other completion
-    +inf (an overflowing reward): every group's advantages and the policy loss are NaN, and the
-    recipe's non-finite guard skips that step. (A NaN score would not do: it means "could not
-    score", which gets zero advantage.) Passed as
+    with the largest finite float (an overflowing reward): each group's reward statistics
+    overflow, its advantages and the policy loss are NaN, and the recipe's non-finite guard skips
+    that step. (A non-finite score would not do: NaN or inf means "could not score", which gets
+    zero advantage.) Passed as
     ``reward._component_=tests._diloco_replica.FormatRewardOverflowAt reward.overflow_calls=[...]``.
     """
 
@@ -82,7 +82,7 @@ class FormatRewardOverflowAt(FormatReward):
         if self.calls not in self.overflow_calls:
             return results
         return [
-            RewardResult(math.inf if index % 2 == 0 else r.score, r.correct, r.feedback)
+            RewardResult(sys.float_info.max if index % 2 == 0 else r.score, r.correct, r.feedback)
             for index, r in enumerate(results)
         ]
 
