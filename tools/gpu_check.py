@@ -690,10 +690,11 @@ def peak_tflops(settings: Settings) -> float | None:
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
 
 
-def speed_shape(settings: Settings, batch: int, seq_len: int) -> Any:
-    """Qwen3-8B's layer shape with as many layers as fit this GPU (estimated without activation
-    checkpointing, gradients but no optimizer); a toy shape with ``--tiny``."""
-    from composer_tune.analysis import memory
+def _fitting_qwen3_8b(
+    settings: Settings, max_seq_len: int, fits: Callable[[Any, float], bool]
+) -> Any:
+    """Qwen3-8B's shape with as many layers as ``fits(args, capacity_gib)`` allows on this
+    device (all of them when its memory is unknown); a toy Qwen3 with ``--tiny``."""
     from composer_tune.models import DecoderArgs, qwen3_8b
 
     if settings.tiny:
@@ -705,11 +706,23 @@ def speed_shape(settings: Settings, batch: int, seq_len: int) -> Any:
             embed_dim=64,
             intermediate_dim=128,
             head_dim=16,
-            max_seq_len=seq_len,
+            max_seq_len=max_seq_len,
         )
     with torch.device("meta"):
-        full = qwen3_8b(max_seq_len=seq_len).config
+        full = qwen3_8b(max_seq_len=max_seq_len).config
     capacity = settings.device_gib()
+    for layers in range(full.num_layers, 0, -1):
+        args = dataclasses.replace(full, num_layers=layers)
+        if capacity is None or fits(args, capacity):
+            return args
+    raise RuntimeError(f"not even one Qwen3-8B layer fits {capacity:.1f} GiB")
+
+
+def speed_shape(settings: Settings, batch: int, seq_len: int) -> Any:
+    """Qwen3-8B's layer shape with as many layers as fit this GPU (estimated without activation
+    checkpointing, gradients but no optimizer); a toy shape with ``--tiny``."""
+    from composer_tune.analysis import memory
+
     plan = memory.MemoryPlan(
         micro_batch_size=batch,
         seq_len=seq_len,
@@ -717,13 +730,13 @@ def speed_shape(settings: Settings, batch: int, seq_len: int) -> Any:
         optimizer_states=0,
         optimizer_impl="fused",
     )
-    for layers in range(full.num_layers, 0, -1):
-        args = dataclasses.replace(full, num_layers=layers)
+
+    def fits(args: Any, capacity: float) -> bool:
         # 10 % of the card held back beyond fit_report's margins: compiled kernels' workspaces.
         estimate = memory.estimate_memory(args, plan)
-        if capacity is None or memory.fit_report(estimate, capacity_gib=0.9 * capacity).fits:
-            return args
-    raise RuntimeError(f"not even one Qwen3-8B layer fits {capacity:.1f} GiB")
+        return memory.fit_report(estimate, capacity_gib=0.9 * capacity).fits
+
+    return _fitting_qwen3_8b(settings, seq_len, fits)
 
 
 def _model_node(args: Any) -> Any:
@@ -912,37 +925,16 @@ def peak_bandwidth(settings: Settings) -> float | None:
 def sampling_shape(settings: Settings, max_seq_len: int, rows: int) -> Any:
     """Qwen3-8B with as many layers as fit the GPU with a KV cache for ``rows`` rows (a toy
     Qwen3 with ``--tiny``)."""
-    from composer_tune.models import DecoderArgs, qwen3_8b
-
-    if settings.tiny:
-        return DecoderArgs(
-            vocab_size=512,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            embed_dim=64,
-            intermediate_dim=128,
-            head_dim=16,
-            max_seq_len=max_seq_len,
-        )
-    with torch.device("meta"):
-        full = qwen3_8b(max_seq_len=max_seq_len).config
-    capacity = settings.device_gib()
-    for layers in range(full.num_layers, 0, -1):
-        args = dataclasses.replace(full, num_layers=layers)
-        weights = 2 * _param_count(args)
-        cache = 2 * 2 * layers * args.num_kv_heads * args.head_dim * max_seq_len * rows
-        # Half the card: the model, its cache, the step's activations and logits, and the
-        # peers' compiled graphs and memory pools.
-        if capacity is None or weights + cache <= 0.5 * capacity * GIB:
-            return args
-    raise RuntimeError(f"not even one Qwen3-8B layer fits {capacity:.1f} GiB")
-
-
-def _param_count(args: Any) -> int:
     from composer_tune.analysis import memory
 
-    return memory.count_params(args)
+    def fits(args: Any, capacity: float) -> bool:
+        weights = 2 * memory.count_params(args)
+        cache = 2 * 2 * args.num_layers * args.num_kv_heads * args.head_dim * max_seq_len * rows
+        # Half the card: the model, its cache, the step's activations and logits, and the
+        # peers' compiled graphs and memory pools.
+        return weights + cache <= 0.5 * capacity * GIB
+
+    return _fitting_qwen3_8b(settings, max_seq_len, fits)
 
 
 def _timed(device: torch.device, run: Callable[[], Any]) -> tuple[float, Any]:
