@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from composer_tune.agents.tools import ParsedTurn, ToolCall, call_tool, parse_tool_calls
-from composer_tune.distributed import any_rank
+from composer_tune.distributed import any_rank, min_over_ranks
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rewards.functions import ScoringBatch, prompt_text, score_completions
 from composer_tune.rollout.generation import GenerationOutput, generate
-from composer_tune.rollout.window import min_over_ranks
 
 # (prompts, max_new_tokens) -> one completion per prompt, GenerationOutput with log-probs.
 Sampler = Callable[[list[list[int]], int], GenerationOutput]

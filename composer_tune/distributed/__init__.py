@@ -100,6 +100,15 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item() > 0)
 
 
+def min_over_ranks(value: int, device: torch.device | None, sync_ranks: bool) -> int:
+    """``value``'s minimum over every rank (collective under ``sync_ranks``; else ``value``)."""
+    if not sync_ranks:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

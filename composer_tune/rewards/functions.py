@@ -350,8 +350,7 @@ def build_reward(node: Any, *, where: str = "reward") -> RewardFunctions:
         return RewardFunctions()
     if isinstance(node, str | list):
         return RewardFunctions(node)
-    reward = _resolve_entry(node, where)
-    return reward if isinstance(reward, RewardFunctions) else RewardFunctions([reward])
+    return as_reward_functions(_resolve_entry(node, where))
 
 
 def as_reward_functions(reward: Reward | RewardFunctions | Callable[..., Any]) -> RewardFunctions:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torchtune.modules import TiedLinear
 from torchtune.modules.common_utils import local_kv_cache
 
+from composer_tune.distributed import min_over_ranks
 from composer_tune.rollout.step_capture import (
     CapturedSteps,
     StepCapture,
@@ -422,11 +423,7 @@ def _host_check(state: _DecodeState, sync_ranks: bool) -> bool:
     done, nonfinite = torch.stack([state.finished.all(), state.nonfinite.any()]).tolist()
     if nonfinite:
         _raise_nonfinite(state.nonfinite)
-    if sync_ranks:
-        flag = torch.tensor(int(done), dtype=torch.int32, device=state.finished.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        done = bool(flag)
-    return bool(done)
+    return bool(min_over_ranks(int(done), state.finished.device, sync_ranks))
 
 
 # no_grad rather than inference_mode: FSDP2 allocates its all-gather buffers lazily, and ones

@@ -12,21 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from composer_tune.distributed import min_over_ranks
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rewards.functions import ScoringBatch, score_completions
 from composer_tune.rollout.generation import GenerationOutput, generate
-
-
-def min_over_ranks(value: int, device: torch.device | None, sync_ranks: bool) -> int:
-    """``value``'s minimum over every rank (collective under ``sync_ranks``; else ``value``)."""
-    if not sync_ranks:
-        return value
-    tensor = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
 
 
 def model_window(policy: nn.Module, engine: Any = None) -> int | None:
