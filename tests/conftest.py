@@ -6,6 +6,7 @@ first worker to need one trains it under a lock in the session's common temporar
 every other worker waits for it and reads the same run.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -48,21 +49,45 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# The session's SFT warm starts: fixture name -> (config, overrides).
+WARM_STARTS = {
+    # Every 100-step checkpoint is kept and scored, so a test can start from an earlier, weaker
+    # one (test_grpo_recipe's learning test).
+    "sft_warm_start": ("cpu_smoke", "checkpoint.keep_last=null", "eval_every_n_steps=100"),
+    "sft_hints_warm_start": ("cpu_smoke_hints",),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_starts_train_side_by_side(request: pytest.FixtureRequest) -> None:
+    """Under xdist, worker i trains the i-th warm start the session needs before its first test,
+    so the two are trained at once instead of one worker idling on the other's lock (minutes of
+    CI). A failure here is left to the tests that use the warm start to report."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    needed = sorted(
+        {name for item in request.session.items for name in item.fixturenames} & set(WARM_STARTS)
+    )
+    if worker is None or not needed:
+        return
+    index = int(worker.removeprefix("gw"))
+    if index < len(needed):
+        with contextlib.suppress(AssertionError):  # a failed run: run_recipe's error
+            _sft_once_per_session(
+                request.getfixturevalue("tmp_path_factory"), *WARM_STARTS[needed[index]]
+            )
+
+
 @pytest.fixture(scope="session")
 def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
-    """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it. Every
-    100-step checkpoint is kept and scored on the held-out set, so a test can start from an
-    earlier, weaker one (test_grpo_recipe's learning test)."""
-    return _sft_once_per_session(
-        tmp_path_factory, "cpu_smoke", "checkpoint.keep_last=null", "eval_every_n_steps=100"
-    )
+    """The A0 SFT cpu_smoke run, trained once per test session; RL recipes start from it."""
+    return _sft_once_per_session(tmp_path_factory, *WARM_STARTS["sft_warm_start"])
 
 
 @pytest.fixture(scope="session")
 def sft_hints_warm_start(tmp_path_factory: pytest.TempPathFactory) -> RecipeRun:
     """The A0 SFT cpu_smoke_hints run (a quarter of its questions carry SDPO's hints), trained
     once per test session; the SDPO-family cpu_smoke configs start from it."""
-    return _sft_once_per_session(tmp_path_factory, "cpu_smoke_hints")
+    return _sft_once_per_session(tmp_path_factory, *WARM_STARTS["sft_hints_warm_start"])
 
 
 @pytest.fixture(scope="session")
