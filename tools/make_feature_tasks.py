@@ -7,7 +7,7 @@ never downloads anything). Its package and tests are stored once in the task sto
 sources/<repo>.tar.gz beside its licence (sources/<repo>.LICENSE); each task is a small edit
 of it (the deletion, and the hidden tests cut out of the agent's test files). How tasks are
 chosen and validated: composer_tune/data/feature_generator.py; the format:
-composer_tune/data/feature_tasks.py; README "Feature-deletion tasks".
+composer_tune/data/feature_tasks.py; docs/coding_tasks.md.
 
 A repository's tasks replace its earlier ones in tasks.jsonl; counts.json holds, per source,
 the baseline tests, the candidates found, the tasks kept and why the others were rejected.
