@@ -464,10 +464,24 @@ if str(seed) in os.environ.get("FAKE_TUNE_FAIL", "").split(","):
     print(f"boom: seed {{seed}} fails here")
     sys.exit(3)
 logs = Path(overrides["output_dir"]) / "logs"
-logs.mkdir(parents=True)
-with open(logs / "log_1.txt", "w") as log:
-    log.write(f"Step 0 | eval/accuracy:{{0.1 * seed}} \\n")
-    for step in range(1, steps + 1):
+checkpoints = Path(overrides["output_dir"]) / "checkpoints"
+resumed = overrides.get("checkpoint.resume_from_checkpoint") == "latest"
+first = 1
+if resumed:  # from the newest checkpoint, into a log file of its own
+    first = 1 + max(int(path.name.removeprefix("step_")) for path in checkpoints.iterdir())
+killed_at = os.environ.get("FAKE_TUNE_KILL_AT_STEP", "") if not resumed else ""
+logs.mkdir(parents=True, exist_ok=resumed)
+with open(logs / f"log_{{first}}.txt", "w") as log:
+    if not resumed:
+        log.write(f"Step 0 | eval/accuracy:{{0.1 * seed}} \\n")
+    for step in range(first, steps + 1):
+        if killed_at and step > int(killed_at):  # killed after its step-`killed_at` checkpoint
+            checkpoint = checkpoints / f"step_{{int(killed_at):07d}}"
+            (checkpoint / "model").mkdir(parents=True)  # complete: weights' folder and state
+            (checkpoint / "model" / "config.json").write_text("{{}}")
+            (checkpoint / "training_state.pt").write_text("")
+            log.flush()
+            os.kill(os.getpid(), 9)
         log.write(f"Step {{step}} | reward/mean:{{step / 10}} tokens/generated:{{48 * step}} \\n")
         if step % every == 0:
             log.write(f"Step {{step}} | eval/accuracy:{{0.1 * seed + 0.01 * step}} \\n")
@@ -546,6 +560,44 @@ def test_failure_is_recorded_and_rerun_retries_only_it(
     with pytest.raises(SystemExit):
         ladder.main([*argv, "--override", "optimizer.lr=1e-5"])
     assert fake_tune.read_text().split() == ["1", "3"]
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_and_a_rerun_of_a_checkpointless_one_restarts(
+    tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        *("--out", str(out), "--arms", "a1", "--seeds", "0", "--steps", "4"),
+        *("--eval-every", "2", "--warm-start", str(_hf_warm_start(tmp_path))),
+    ]
+    monkeypatch.setenv("FAKE_TUNE_KILL_AT_STEP", "2")
+    assert ladder.main(argv) == 1
+    killed = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
+    assert killed["returncode"] == -signal.SIGKILL
+
+    monkeypatch.delenv("FAKE_TUNE_KILL_AT_STEP")
+    assert ladder.main(argv) == 0
+    record = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
+    assert record["status"] == "ok" and record["resumed_from_step"] == 2
+    assert record["command"] == killed["command"]  # the run's identity, without the resume flag
+    # Steps 0-2 come from the first attempt's log, 3-4 from the resumed one's.
+    assert record["metrics"][0]["eval/accuracy"] == [[0, 0.0], [2, 0.02], [4, 0.04]]
+    assert record["wall_s"] > killed["wall_s"]
+    run_log = (out / "runs" / "a1_seed0" / "run.log").read_text().splitlines()
+    commands = [line for line in run_log if line.startswith("$ ")]  # both attempts' output kept
+    assert len(commands) == 2 and "resume_from_checkpoint" not in commands[0]
+    assert commands[1].endswith("checkpoint.resume_from_checkpoint=latest")
+
+    # A failed run that left no checkpoint is trained again from scratch, its folder emptied.
+    monkeypatch.setenv("FAKE_TUNE_FAIL", "1")
+    one = [*argv, "--seeds", "1"]
+    assert ladder.main(one) == 1
+    (out / "runs" / "a1_seed1" / "stale.txt").write_text("from the failed attempt")
+    monkeypatch.delenv("FAKE_TUNE_FAIL")
+    assert ladder.main(one) == 0
+    rerun = json.loads((out / "results.json").read_text())["runs"]["a1/seed1"]
+    assert "resumed_from_step" not in rerun and rerun["status"] == "ok"
+    assert not (out / "runs" / "a1_seed1" / "stale.txt").exists()
 
 
 def test_warm_start_is_trained_once_and_its_failure_stops_the_ladder(

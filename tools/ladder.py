@@ -36,7 +36,8 @@ logged per-channel gradients (``--override log_channel_gradients=true``), result
 channel's gradient norm before clipping and share of the step, and ``channel_gradients.png``
 plots them per step. A failed
 run is recorded and the ladder goes on; rerunning with the same ``--out`` skips every completed
-run and retries failed ones. Arms, or seeds of an arm, can also run as separate ladders side by
+run and retries failed ones, resuming from its last checkpoint one that left any (a run killed
+out of memory or past --run-timeout loses only the steps since that checkpoint). Arms, or seeds of an arm, can also run as separate ladders side by
 side (one ``--out`` each, e.g. one per core) and be combined into one table with ``--combine``
 (the same arm's runs must share their command but for ``output_dir`` and ``seed``), as can a
 peer's results (``PEER_ARMS``: tools/trl_sdpo_peer.py runs TRL's SDPOTrainer on the smollm2_trl
@@ -368,7 +369,7 @@ def run_logged(
         (exit status, wall seconds); the status is negative for a signal, as subprocess has it.
     """
     start = time.perf_counter()
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:  # a resumed run's output follows its first attempt's
         log.write("$ " + " ".join(command) + "\n")
         log.flush()
         process = subprocess.Popen(
@@ -444,13 +445,42 @@ def generated_tokens(replica_metrics: Sequence[dict[str, list]], until: float = 
     return total
 
 
-def execute(run: PlannedRun, env: dict[str, str], timeout: float | None) -> dict[str, Any]:
-    """Runs one arm-seed from scratch and returns its results record (ok or failed)."""
-    if run.run_dir.exists():  # a failed earlier attempt: its logs and checkpoints would mix in
-        shutil.rmtree(run.run_dir)
-    run.run_dir.mkdir(parents=True)
-    status, wall = run_logged(run.command(), run.log_path, env=env, timeout=timeout)
-    return run_record(run, status, wall)
+def resumable_step(previous: dict[str, Any] | None, run: PlannedRun) -> int | None:
+    """The step of the checkpoint a failed earlier attempt of this very run (same command) left,
+    from which it can resume; None when there is none (or for DiLoCo, whose replicas restart)."""
+    if previous is None or previous.get("status") == "ok" or run.arm.replicas != 1:
+        return None
+    if previous.get("command") != run.command():
+        return None
+    checkpoint = latest_checkpoint(run.run_dir) if run.run_dir.is_dir() else None
+    return None if checkpoint is None else int(checkpoint.name.removeprefix("step_"))
+
+
+def execute(
+    run: PlannedRun,
+    env: dict[str, str],
+    timeout: float | None,
+    previous: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Runs one arm-seed and returns its results record (ok or failed). A failed earlier attempt
+    of the same command that left a checkpoint (killed, out of memory, past --run-timeout) is
+    resumed from it, its wall time counted in; any other earlier attempt is trained again from
+    scratch."""
+    step = resumable_step(previous, run)
+    command = run.command()
+    if step is not None:
+        command = [*command, "checkpoint.resume_from_checkpoint=latest"]
+        print(f"    resuming from its step-{step} checkpoint", flush=True)
+    else:
+        if run.run_dir.exists():  # its logs and checkpoints would mix in
+            shutil.rmtree(run.run_dir)
+        run.run_dir.mkdir(parents=True)
+    status, wall = run_logged(command, run.log_path, env=env, timeout=timeout)
+    record = run_record(run, status, wall)
+    if step is not None:
+        record["wall_s"] += previous["wall_s"]
+        record["resumed_from_step"] = step
+    return record
 
 
 def run_record(run: PlannedRun, status: int, wall_s: float) -> dict[str, Any]:
@@ -1252,7 +1282,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{progress}: completed earlier, skipped", flush=True)
             continue
         print(f"{progress}: {run.arm.title} ...", flush=True)
-        record = execute(run, env, args.run_timeout)
+        record = execute(run, env, args.run_timeout, results["runs"].get(run.key))
         results["runs"][run.key] = record
         save(results, args.out, plt)
         if record["status"] == "ok":
