@@ -8,6 +8,7 @@ from torch import nn
 from torchtune.modules import TiedLinear
 
 from composer_tune.losses import logprob_head, naive_token_logprobs, token_logprobs
+from composer_tune.losses.logprobs import CPU_CHUNK_BYTES, CPU_MIN_CHUNK_ROWS, _cpu_chunk_rows
 from composer_tune.models import qwen3_tiny
 
 BATCH, SEQ, DIM, VOCAB = 3, 4, 16, 50
@@ -167,6 +168,44 @@ def test_backward_recomputes_each_chunk_and_no_grad_does_not_checkpoint() -> Non
         fast = token_logprobs(hidden, output, targets, chunk_size=5)
     assert output.calls == 3 and not fast.requires_grad
     torch.testing.assert_close(fast, logprobs.detach())
+
+
+class RowRecordingTiedLinear(TiedLinear):
+    """A tied output projection that records the rows of every call."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__(embedding)
+        self.rows: list[int] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return super().__call__(x)
+
+
+def test_cpu_chunks_keep_float32_logits_within_the_byte_budget() -> None:
+    # A vocabulary whose 1024-row logits would take 256 MiB: chunks of 96 rows on a CPU.
+    vocab, dim, rows = 65_536, 4, 200
+    generator = torch.Generator().manual_seed(0)
+    embedding = nn.Embedding(vocab, dim)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(vocab, dim, generator=generator))
+    output = RowRecordingTiedLinear(embedding)
+    hidden = torch.randn(1, rows, dim, generator=generator)
+    targets = torch.randint(0, vocab, (1, rows), generator=generator)
+    with torch.no_grad():
+        chunked = token_logprobs(hidden, output, targets, chunk_size=1024)
+        naive = naive_token_logprobs(output(hidden), targets)
+    budget_rows = CPU_CHUNK_BYTES // (4 * vocab)
+    assert budget_rows == 96 and output.rows[:-1] == [96, 96, 8]
+    torch.testing.assert_close(chunked, naive)
+    # A small vocabulary is held to chunk_size alone; the floor keeps a huge one's chunks
+    # from shrinking to a few rows.
+    small = RowRecordingTiedLinear(nn.Embedding(50, dim))
+    with torch.no_grad():
+        token_logprobs(hidden, small, targets % 50, chunk_size=1024)
+    assert small.rows == [rows]
+    huge = nn.Linear(dim, 16 * CPU_CHUNK_BYTES // (4 * CPU_MIN_CHUNK_ROWS), bias=False)
+    assert _cpu_chunk_rows(huge) == CPU_MIN_CHUNK_ROWS
 
 
 def test_logprob_head_is_what_the_model_calls() -> None:
