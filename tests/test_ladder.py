@@ -506,14 +506,20 @@ def _hf_warm_start(tmp_path: Path) -> Path:
     return folder
 
 
+def _a1_ladder_argv(tmp_path: Path, *seeds: str) -> tuple[Path, list[str]]:
+    """The results folder and the argv of a 4-step A1 ladder over ``seeds`` from a stand-in
+    warm start."""
+    out = tmp_path / "out"
+    return out, [
+        *("--out", str(out), "--arms", "a1", "--seeds", *seeds, "--steps", "4"),
+        *("--eval-every", "2", "--warm-start", str(_hf_warm_start(tmp_path))),
+    ]
+
+
 def test_failure_is_recorded_and_rerun_retries_only_it(
     tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = tmp_path / "out"
-    argv = [
-        *("--out", str(out), "--arms", "a1", "--seeds", "0", "1", "2", "--steps", "4"),
-        *("--eval-every", "2", "--warm-start", str(_hf_warm_start(tmp_path))),
-    ]
+    out, argv = _a1_ladder_argv(tmp_path, "0", "1", "2")
     monkeypatch.setenv("FAKE_TUNE_FAIL", "1")
     assert ladder.main(argv) == 1  # a failure makes the exit status non-zero...
     assert fake_tune.read_text().split() == ["0", "1", "2"]  # ...and the others went on
@@ -565,11 +571,7 @@ def test_failure_is_recorded_and_rerun_retries_only_it(
 def test_a_killed_run_resumes_from_its_checkpoint_and_a_rerun_of_a_checkpointless_one_restarts(
     tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = tmp_path / "out"
-    argv = [
-        *("--out", str(out), "--arms", "a1", "--seeds", "0", "--steps", "4"),
-        *("--eval-every", "2", "--warm-start", str(_hf_warm_start(tmp_path))),
-    ]
+    out, argv = _a1_ladder_argv(tmp_path, "0")
     monkeypatch.setenv("FAKE_TUNE_KILL_AT_STEP", "2")
     assert ladder.main(argv) == 1
     killed = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]

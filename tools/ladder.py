@@ -93,6 +93,7 @@ from composer_tune.analysis.metrics_log import Metrics, read_metrics, series  # 
 from composer_tune.checkpointing.run_state import (  # noqa: E402
     MODEL_DIR,
     checkpoint_dir,
+    checkpoint_step,
     latest_checkpoint,
 )
 from composer_tune.config import load_recipe_config  # noqa: E402
@@ -452,8 +453,8 @@ def resumable_step(previous: dict[str, Any] | None, run: PlannedRun) -> int | No
         return None
     if previous.get("command") != run.command():
         return None
-    checkpoint = latest_checkpoint(run.run_dir) if run.run_dir.is_dir() else None
-    return None if checkpoint is None else int(checkpoint.name.removeprefix("step_"))
+    checkpoint = latest_checkpoint(run.run_dir)
+    return None if checkpoint is None else checkpoint_step(checkpoint)
 
 
 def execute(
