@@ -301,6 +301,31 @@ def test_tied_output_projection_stays_tied(checkpoints) -> None:
     assert set(load_model_weights(checkpoints("llama_tied"), model)) == set(model.state_dict())
 
 
+def test_the_pad_token_trains_as_an_input_as_on_the_native_decoder(checkpoints) -> None:
+    """transformers builds the embedding with ``padding_idx = pad_token_id``, which would give
+    that token's input occurrences no gradient; the pad id is often a real token (SmolLM2's is
+    <|im_end|>, in every chat prompt), so the backend trains it as the native decoder does."""
+    path = checkpoints("llama_tied")
+    pad = _SHAPE["pad_token_id"]
+    tokens = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    tokens[:, 4] = pad  # mid-prompt, as an end-of-turn token is
+    rows = {}
+    for backend in ("native", "transformers"):
+        model = build_decoder(
+            OmegaConf.create(
+                {"_component_": "composer_tune.models.from_pretrained", "path": str(path),
+                 "backend": backend}
+            ),
+            checkpoint=path, dtype=torch.float32, dist_info=CPU, seed=0,
+            activation_checkpointing=False, fsdp_cpu_offload=False,
+        )  # fmt: skip
+        model(tokens[:, :-1], head_fn=logprob_head(tokens[:, 1:])).sum().backward()
+        rows[backend] = model.tok_embeddings.weight.grad[pad]
+    # The tied output projection's share of the row is the same on both: the input share differs
+    # when the input occurrences are dropped.
+    assert (rows["transformers"] - rows["native"]).abs().max() <= 1e-5
+
+
 def test_diloco_fragments_walk_into_the_decoder_stack(checkpoints) -> None:
     tied = _ours(checkpoints("llama_tied"))
     _, names = split_into_fragments(tied, 2)

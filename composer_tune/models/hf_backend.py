@@ -258,6 +258,13 @@ class HFCausalLM(nn.Module):
         # Loading with assign=True (as FSDP2's sharded load does) replaces each parameter:
         # tie the output projection to the embedding again, as the model was built.
         self.register_load_state_dict_post_hook(lambda module, _keys: module.hf_model.tie_weights())
+        # transformers builds the embedding with padding_idx = config.pad_token_id, which gives
+        # that token's input occurrences no gradient. Rollouts mask padding themselves, and the
+        # pad id is often a real token (SmolLM2's is <|im_end|>, in every prompt): train it as
+        # the native decoder does. Only the gradient changes; the forward is the same.
+        embedding = hf_model.get_input_embeddings()
+        if isinstance(embedding, nn.Embedding):
+            embedding.padding_idx = None
 
     # -- structure ---------------------------------------------------------------------------
 
