@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from composer_tune.checkpointing.hf_checkpoint import load_hf_checkpoint
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint
 from tests.recipe_runs import run_recipe
 
@@ -84,22 +84,29 @@ ONE_STEP = (
 )
 
 
-def test_transformers_backend_takes_the_native_grpo_step(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_transformers_backend_takes_the_native_grpo_step(
+    smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same GRPO step through ``transformers``' LlamaForCausalLM as through the native
-    decoder: the same sampled completions and rewards, the same loss, and the same update
-    direction, so the learning the test above measures carries over to the transformers backend
+    decoder: the same sampled completions and rewards, the same gradient norm, and the same
+    update, so the learning the test above measures carries over to the transformers backend
     (measured directly, 8 steps on each backend: both gained at least ``MIN_GAIN``). A backend
     that dropped a parameter from the optimizer, detached the policy's log-probs or scaled the
     loss would fail here, as did one that kept transformers' ``padding_idx`` (SmolLM2's pad id
     is <|im_end|>, whose input embedding then took no gradient)."""
-    base = _weights(smollm2_dir)
+    # One thread in both runs (as under xdist): with two, the backends' kernels split their sums
+    # differently, a sampled token can flip, and the runs part ways.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    base = load_hf_checkpoint(smollm2_dir, dtype=torch.float32)[1]
     updates, logged = {}, {}
     for backend in ("native", "transformers"):
         run = run_recipe(
             "grpo", "smollm2", tmp_path / backend, *ONE_STEP, f"model.backend={backend}"
         )
         logged[backend] = run.metrics()[1]
-        trained = _weights(latest_checkpoint(tmp_path / backend) / MODEL_DIR)
+        trained = load_hf_checkpoint(
+            latest_checkpoint(tmp_path / backend) / MODEL_DIR, torch.float32
+        )[1]
         assert trained.keys() == base.keys(), backend
         # float64: a float32 dot product over 135M elements drifts past a cosine of 1.
         updates[backend] = torch.cat(
@@ -117,11 +124,3 @@ def test_transformers_backend_takes_the_native_grpo_step(smollm2_dir: Path, tmp_
     # Measured: 1 - 7e-11 (0.99975 while the backend kept transformers' padding_idx).
     assert cosine > 1 - 1e-6, f"update directions differ: cosine {cosine:.10f}"
     assert abs(other.norm() / update.norm() - 1) < 1e-4
-
-
-def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """A Hugging Face checkpoint's tensors in fp32, by name."""
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        tensors.update({k: v.float() for k, v in load_file(shard).items()})
-    return tensors
