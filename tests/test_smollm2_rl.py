@@ -4,7 +4,8 @@ A short run of ``tune run recipes/grpo.py --config smollm2`` (the shipped config
 types it, with ``SHORT_RUN``'s overrides) must raise greedy held-out accuracy above the base
 model's, both measured in the same run on the config's 128 distinct held-out problems, by
 ``MIN_GAIN``, on the native decoder. The transformers backend is held to the native one by one
-GRPO step taking the same update (the second test): equality, not a second 5-minute learning run.
+GRPO step's gradient on shared rollouts (the second test): equality, not a second 5-minute
+learning run.
 
 Measured on a 2-core AMD EPYC with AVX2 only (``autocast: auto`` runs fp32 there), shared-prefix
 forward, base model 0.250 on the 128 problems, evaluations every 4 steps of a 16-step run:
@@ -29,11 +30,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from composer_tune.checkpointing.hf_checkpoint import load_hf_checkpoint
+from composer_tune import config
+from composer_tune.checkpointing.hf_checkpoint import decoder_to_hf_state_dict
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint
-from tests.recipe_runs import run_recipe
+from composer_tune.distributed import DistInfo
+from composer_tune.losses.policy import PolicyLossConfig, compute_advantages, policy_loss
+from composer_tune.models.build import build_decoder
+from composer_tune.models.hf_backend import HFCausalLM, hf_named_weights
+from composer_tune.rollout.rollouts import collect_rollouts, rollout_logprobs
+from tests.recipe_runs import REPO_ROOT, run_recipe
+
+CPU = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
 
 pytestmark = pytest.mark.slow
 
@@ -66,61 +76,65 @@ def test_grpo_raises_smollm2_heldout_accuracy(smollm2_dir: Path, tmp_path: Path)
     assert generation["eos_token_id"] == [2]
 
 
-# One small GRPO step in fp32 (no autocast: both backends then compute in one precision) with
-# plain SGD, whose update is the gradient itself: AdamW's first step is about lr * sign(gradient),
-# which fp32 rounding flips wherever a gradient element is near zero.
-ONE_STEP = (
-    "max_steps=1",
-    "autocast=null",
-    "optimizer._component_=torch.optim.SGD",
-    "~optimizer.betas",
-    "optimizer.lr=1.0",
-    "num_prompts_per_generation=4",
-    "group_size=8",
-    "eval_every_n_steps=0",
-    "eval_dataset.num_samples=16",
-    "logging.progress_bar=false",
-    "checkpoint.save_only_model=true",
-)
+def _gradients(model: torch.nn.Module, rollout, advantages: torch.Tensor, loss_cfg) -> dict:
+    """The recipe's on-policy GRPO micro-batch loss on ``rollout`` through ``model``, backward;
+    every parameter's gradient under its Hugging Face checkpoint name."""
+    logp = rollout_logprobs(model, rollout, shared_prefix=True)
+    loss, _ = policy_loss(logp, logp.detach(), advantages, rollout.completion_mask, loss_cfg)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values()), "a parameter took no gradient"
+    if isinstance(model, HFCausalLM):
+        return {
+            k: v for name, g in grads.items() for k, v in hf_named_weights(model, name, g).items()
+        }
+    return decoder_to_hf_state_dict(grads, model.config)
 
 
-def test_transformers_backend_takes_the_native_grpo_step(
-    smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_transformers_backend_takes_the_native_grpo_step(smollm2_dir: Path) -> None:
     """The same GRPO step through ``transformers``' LlamaForCausalLM as through the native
-    decoder: the same sampled completions and rewards, the same gradient norm, and the same
-    update, so the learning the test above measures carries over to the transformers backend
-    (measured directly, 8 steps on each backend: both gained at least ``MIN_GAIN``). A backend
-    that dropped a parameter from the optimizer, detached the policy's log-probs or scaled the
-    loss would fail here, as did one that kept transformers' ``padding_idx`` (SmolLM2's pad id
-    is <|im_end|>, whose input embedding then took no gradient)."""
-    # One thread in both runs (as under xdist): with two, the backends' kernels split their sums
-    # differently, a sampled token can flip, and the runs part ways.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    base = load_hf_checkpoint(smollm2_dir, dtype=torch.float32)[1]
-    updates, logged = {}, {}
-    for backend in ("native", "transformers"):
-        run = run_recipe(
-            "grpo", "smollm2", tmp_path / backend, *ONE_STEP, f"model.backend={backend}"
+    decoder: on one batch of rollouts (sampled once, by the native engine, from the shipped
+    config's task and reward), the same gradient for every parameter, so the learning the test
+    above measures carries over to the transformers backend (measured directly, 8 steps on each
+    backend: both gained at least ``MIN_GAIN``). The rollouts are shared rather than sampled by
+    each backend: a sampled token flips where the backends' logits differ in the last bits
+    (seen on an Intel Xeon, not on an AMD EPYC), and the comparison would then measure that.
+    A backend whose log-probs were detached or scaled, or one that kept ``transformers``'
+    ``padding_idx`` (SmolLM2's pad id is <|im_end|>, in every prompt, whose input embedding then
+    took no gradient: cosine 0.99962 here), fails here. Measured: cosine 1 - 6e-12, norm ratio
+    1.0."""
+    cfg = config.load_recipe_config(
+        REPO_ROOT / "recipes" / "grpo.py", "smollm2", [f"model.path={smollm2_dir}"]
+    )
+    loss_cfg = PolicyLossConfig(**cfg.loss)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    dataset = config.instantiate(cfg.dataset)
+    samples = [dataset[i] for i in range(cfg.num_prompts_per_generation)]
+    models = {
+        backend: build_decoder(
+            OmegaConf.merge(cfg.model, {"backend": backend}),
+            checkpoint=smollm2_dir,
+            dtype=torch.float32,
+            dist_info=CPU,
+            seed=0,
+            activation_checkpointing=False,
+            fsdp_cpu_offload=False,
         )
-        logged[backend] = run.metrics()[1]
-        trained = load_hf_checkpoint(
-            latest_checkpoint(tmp_path / backend) / MODEL_DIR, torch.float32
-        )[1]
-        assert trained.keys() == base.keys(), backend
-        # float64: a float32 dot product over 135M elements drifts past a cosine of 1.
-        updates[backend] = torch.cat(
-            [(trained[k] - base[k]).flatten() for k in sorted(base)]
-        ).double()
-    native, hf = logged["native"], logged["transformers"]
-    assert native["grad_norm"] > 0, "no group had mixed rewards: the step would test nothing"
-    for key in ("tokens/generated", "reward/mean", "eval/accuracy"):
-        assert native[key] == hf[key], key
-    # Before clipping (the clip to 1.0 would hide a scaled loss in the update's norm).
-    assert abs(hf["grad_norm"] / native["grad_norm"] - 1) < 1e-3
-    update, other = updates["native"], updates["transformers"]
-    assert update.norm() > 0
-    cosine = torch.nn.functional.cosine_similarity(update, other, dim=0)
-    # Measured: 1 - 7e-11 (0.99975 while the backend kept transformers' padding_idx).
-    assert cosine > 1 - 1e-6, f"update directions differ: cosine {cosine:.10f}"
-    assert abs(other.norm() / update.norm() - 1) < 1e-4
+        for backend in ("native", "transformers")
+    }
+    rollout = collect_rollouts(
+        models["native"], tokenizer, samples, config.instantiate(cfg.reward),
+        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+        generator=torch.Generator().manual_seed(0), compute_old_logp=False,
+        enable_thinking=cfg.enable_thinking,
+    )  # fmt: skip
+    advantages = compute_advantages(rollout.rewards, cfg.group_size)
+    assert advantages.abs().sum() > 0, "no group had mixed rewards: the step would test nothing"
+    native, hf = (_gradients(models[b], rollout, advantages, loss_cfg) for b in models)
+    assert native.keys() == hf.keys()
+    # float64: a float32 dot product over 135M elements drifts past a cosine of 1.
+    native, hf = (torch.cat([g[k].flatten() for k in sorted(g)]).double() for g in (native, hf))
+    assert native.norm() > 0
+    cosine = torch.nn.functional.cosine_similarity(native, hf, dim=0)
+    assert cosine > 1 - 1e-6, f"the backends' gradients differ: cosine {cosine:.10f}"
+    assert abs(hf.norm() / native.norm() - 1) < 1e-4
