@@ -34,13 +34,13 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from composer_tune import config
-from composer_tune.checkpointing.hf_checkpoint import decoder_to_hf_state_dict
+from composer_tune.channels.policy import group_advantages
+from composer_tune.checkpointing.hf_checkpoint import checkpoint_tensors
 from composer_tune.checkpointing.run_state import MODEL_DIR, latest_checkpoint
 from composer_tune.distributed import DistInfo
-from composer_tune.losses.policy import PolicyLossConfig, compute_advantages, policy_loss
+from composer_tune.losses.policy import PolicyLossConfig, policy_loss
 from composer_tune.models.build import build_decoder
-from composer_tune.models.hf_backend import HFCausalLM, hf_named_weights
-from composer_tune.rollout.rollouts import collect_rollouts, rollout_logprobs
+from composer_tune.rollout.rollouts import RolloutBatch, collect_rollouts, rollout_logprobs
 from tests.recipe_runs import REPO_ROOT, run_recipe
 
 CPU = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
@@ -76,19 +76,22 @@ def test_grpo_raises_smollm2_heldout_accuracy(smollm2_dir: Path, tmp_path: Path)
     assert generation["eos_token_id"] == [2]
 
 
-def _gradients(model: torch.nn.Module, rollout, advantages: torch.Tensor, loss_cfg) -> dict:
+def _gradients(
+    model: torch.nn.Module,
+    rollout: RolloutBatch,
+    advantages: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    shared_prefix: bool,
+) -> dict[str, torch.Tensor]:
     """The recipe's on-policy GRPO micro-batch loss on ``rollout`` through ``model``, backward;
     every parameter's gradient under its Hugging Face checkpoint name."""
-    logp = rollout_logprobs(model, rollout, shared_prefix=True)
+    logp = rollout_logprobs(model, rollout, shared_prefix=shared_prefix)
     loss, _ = policy_loss(logp, logp.detach(), advantages, rollout.completion_mask, loss_cfg)
     loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
+    grads = {param.data_ptr(): param.grad for param in model.parameters()}
     assert all(g is not None for g in grads.values()), "a parameter took no gradient"
-    if isinstance(model, HFCausalLM):
-        return {
-            k: v for name, g in grads.items() for k, v in hf_named_weights(model, name, g).items()
-        }
-    return decoder_to_hf_state_dict(grads, model.config)
+    # The checkpoint's naming of each weight, for either backend, applied to its gradient.
+    return dict(checkpoint_tensors(model, lambda weight: grads[weight.data_ptr()]))
 
 
 def test_transformers_backend_takes_the_native_grpo_step(smollm2_dir: Path) -> None:
@@ -128,9 +131,12 @@ def test_transformers_backend_takes_the_native_grpo_step(smollm2_dir: Path) -> N
         generator=torch.Generator().manual_seed(0), compute_old_logp=False,
         enable_thinking=cfg.enable_thinking,
     )  # fmt: skip
-    advantages = compute_advantages(rollout.rewards, cfg.group_size)
+    advantages = group_advantages(rollout, loss_cfg, cfg.group_size, CPU)
     assert advantages.abs().sum() > 0, "no group had mixed rewards: the step would test nothing"
-    native, hf = (_gradients(models[b], rollout, advantages, loss_cfg) for b in models)
+    native, hf = (
+        _gradients(models[b], rollout, advantages, loss_cfg, cfg.shared_prefix_forward)
+        for b in models
+    )
     assert native.keys() == hf.keys()
     # float64: a float32 dot product over 135M elements drifts past a cosine of 1.
     native, hf = (torch.cat([g[k].flatten() for k in sorted(g)]).double() for g in (native, hf))
