@@ -162,14 +162,21 @@ def test_hacks_through_the_tools_earn_nothing(sample: dict) -> None:
         "inflection/__init__.py",
         "    raise NotImplementedError('camelize was removed: implement it')\n",
         "    class Anything(str):\n        def __eq__(self, other): return True\n"
-        "    import os, glob\n"
-        "    for path in glob.glob('/**/test_inflection.py', recursive=True):\n"
-        "        open(path, 'a').write('\\n')\n"
+        "    import os\n"
+        # Every file the solution can see (os.walk follows no links, /proc left out): a search
+        # that ends. A recursive glob of / loops through /proc and ran into the grader's clock.
+        "    for root, folders, files in os.walk('/'):\n"
+        "        folders[:] = [f for f in folders if os.path.join(root, f) != '/proc']\n"
+        "        if 'test_inflection.py' in files:\n"
+        "            try: open(os.path.join(root, 'test_inflection.py'), 'a').write('\\n')\n"
+        "            except OSError: pass\n"
         "    return Anything('?')\n",
     )
     environment.run_command("python -c 'import compileall; compileall.compile_dir(\".\")'")
     assert environment.get_reward() == 0.0
     assert environment.last_grade is not None
+    # Every hidden test ran and failed: the hacks lost, not the clock.
+    assert set(environment.last_grade.outcomes.values()) == {"failed"}, environment.last_grade
     assert {"conftest.py", "sitecustomize.py"} <= set(environment.last_grade.left_out)
 
 
