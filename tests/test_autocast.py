@@ -57,3 +57,31 @@ def test_generation_under_bf16_autocast_builds_bf16_caches_and_tracks_fp32_greed
     assert not cast.caches_are_setup()  # the bf16 caches were built and deleted again
     # bf16 rounding may flip a near-tie late in a row; the first tokens agree.
     assert [row[:2] for row in output.completions] == [row[:2] for row in reference.completions]
+
+
+def test_full_sequence_attention_runs_in_fp32_on_a_cpu_under_bf16_autocast(monkeypatch) -> None:
+    """A CPU's bf16 flash-attention backward is slower than an fp32 upcast's, so the native
+    decoder's full-sequence attention runs in fp32 under bf16 autocast: in training and no-grad
+    forwards alike (their outputs agree exactly, so old log-probs equal the training forward's),
+    while the sampler's cached attention stays in bf16."""
+    model = _model()
+    enable_autocast(model, "bf16", torch.device("cpu"))
+    seen: list[torch.dtype] = []
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        seen.append(query.dtype)
+        return attention(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        no_grad = model(tokens)
+    trained = model(tokens)
+    assert seen == [torch.float32] * (2 * len(model.layers))
+    assert trained.dtype == no_grad.dtype and torch.equal(trained.detach(), no_grad)
+    trained.float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    seen.clear()
+    generate(model, [[1, 5, 9, 3], [7, 2]], max_new_tokens=3, pad_id=0, greedy=True)
+    assert seen and set(seen) == {torch.bfloat16}

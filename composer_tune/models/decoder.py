@@ -15,6 +15,7 @@ RoPE uses the rotate-half layout of Hugging Face's checkpoints (torchtune's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -219,17 +220,26 @@ class GroupedQueryAttention(MultiHeadAttention):
             k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)
             v = v.unsqueeze(2).expand(expand_shape).flatten(1, 2)
 
-        out = self._attention_call(
-            q,
-            k,
-            v,
-            mask=mask,
-            dropout_p=self.attn_dropout if self.training else 0.0,
-            # Causal only when nothing else says how to mask; a set-up but disabled cache
-            # (torchtune's `disable_kv_cache`) must still give causal attention.
-            is_causal=mask is None and self.is_causal,
-        )
-        out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
+        # On a CPU the full-sequence attention runs in fp32: the bf16 flash-attention kernel's
+        # forward + backward took 1.7x as long as an fp32 upcast's at SmolLM2's training shape
+        # (bench/README.md). No-grad forwards (old and reference log-probs) take the same path,
+        # so their log-probs equal the training forward's.
+        dtype = q.dtype
+        upcast = q.device.type == "cpu" and dtype == torch.bfloat16
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
+            out = self._attention_call(
+                q,
+                k,
+                v,
+                mask=mask,
+                dropout_p=self.attn_dropout if self.training else 0.0,
+                # Causal only when nothing else says how to mask; a set-up but disabled cache
+                # (torchtune's `disable_kv_cache`) must still give causal attention.
+                is_causal=mask is None and self.is_causal,
+            )
+        out = out.to(dtype).transpose(1, 2).contiguous().view(b, s_x, -1)
         return self.output_proj(out)
 
 
