@@ -132,6 +132,7 @@ def plan_for(args: argparse.Namespace, dtype: str, ac: bool, world_size: int) ->
         prompt_len=args.prompt_len,
         completion_len=args.completion_len,
         prefill_chunk=DEFAULT_PREFILL_CHUNK,
+        fp32_attention=args.device == "cpu" and dtype == "bf16",  # models/decoder.py
     )
 
 

@@ -126,7 +126,9 @@ def sharded_param_numel(args: DecoderArgs, world_size: int) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def layer_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
+def layer_saved_bytes_per_token(
+    args: DecoderArgs, compute_bytes: int, *, fp32_attention: bool = False
+) -> int:
     """Bytes autograd keeps per token for one decoder layer's backward (no checkpointing).
 
     - each of the two RMSNorms (torchtune computes in fp32) saves its fp32 input, fp32
@@ -137,13 +139,18 @@ def layer_saved_bytes_per_token(args: DecoderArgs, compute_bytes: int) -> int:
       sequence, ignored);
     - SDPA (flash / memory-efficient, never an ``s x s`` matrix) saves q and k, v expanded from
       ``K`` to ``H`` heads for GQA, the output (also the output projection's input) in the
-      compute dtype, and an fp32 logsumexp per head: ``4 H hd e + 4 H``;
+      compute dtype, and an fp32 logsumexp per head: ``4 H hd e + 4 H``; with
+      ``fp32_attention`` (the native decoder on a CPU in bf16: ``models/decoder.py``) those four
+      are fp32 and the output projection saves its own bf16 input: ``4 H hd 4 + 4 H + H hd e``;
     - SwiGLU saves the gate and up projections, silu(gate) and their product: ``4 F e``.
     """
     d, e = args.embed_dim, compute_bytes
     norms = 2 * (8 * d + 4) + 2 * d * e
     qk_norms = (args.num_heads + args.num_kv_heads) * (8 * args.head_dim + 4) if args.qk_norm else 0
-    attention = 4 * args.num_heads * args.head_dim * e + 4 * args.num_heads
+    width = args.num_heads * args.head_dim
+    attention = 4 * width * (4 if fp32_attention else e) + 4 * args.num_heads
+    if fp32_attention:
+        attention += width * e
     mlp = 4 * args.intermediate_dim * e
     return norms + qk_norms + attention + mlp
 
@@ -207,6 +214,8 @@ class MemoryPlan:
             times the GPU's memory: its weights, activations and KV cache).
         engine_sleeps: ``rollout.vllm.enable_sleep_mode``: the engine frees its reservation
             while the trainer steps, so it counts in the rollout phase only.
+        fp32_attention: the native decoder runs its full-sequence attention in fp32 (on a CPU
+            with a bf16 ``param_dtype``), so SDPA saves fp32 tensors for the backward.
     """
 
     world_size: int = 1
@@ -232,6 +241,7 @@ class MemoryPlan:
     rollout_engine: str = "native"
     engine_gib: float = 0.0
     engine_sleeps: bool = False
+    fp32_attention: bool = False
 
     def __post_init__(self) -> None:
         positive = ("world_size", "micro_batch_size", "seq_len", "logprob_chunk_size")
@@ -412,7 +422,7 @@ def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
     if sharded and not args.tie_word_embeddings:
         add(Component(EMBED_GRAD, vocab * dim * grad, (BACKWARD_FIRST,)))
 
-    per_layer = layer_saved_bytes_per_token(args, e) * tokens
+    per_layer = layer_saved_bytes_per_token(args, e, fp32_attention=plan.fp32_attention) * tokens
     if plan.activation_checkpointing:
         all_layers = args.num_layers * dim * e * tokens  # each checkpointed layer's input
         detail = "layer inputs only"
@@ -787,6 +797,9 @@ def plan_from_config(
     take("optimizer_states", states, source)
     take("optimizer_impl", impl, f"optimizer settings, device {device}")
     take("prefill_chunk", DEFAULT_PREFILL_CHUNK, "default: rollout.generation prefill chunk")
+    native = (OmegaConf.select(cfg, "model.backend", default=None) or "native") == "native"
+    if device == "cpu" and native and dtype_bytes(values["param_dtype"]) == 2:
+        take("fp32_attention", True, "native decoder on a CPU in bf16: attention in fp32")
     engine = OmegaConf.select(cfg, "rollout.engine", default=None) if rollouts else None
     take("rollout_engine", engine or "native", "config rollout.engine" if engine else "default")
     if engine == "vllm":
