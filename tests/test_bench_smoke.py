@@ -95,6 +95,20 @@ def test_checkpoint_save_bench_prints_size_and_time() -> None:
     assert 0 < float(match.group(3)) <= float(match.group(4))
 
 
+def test_cpu_attention_bench_times_both_dtypes_for_every_pass_and_mask() -> None:
+    out = _run("bench_cpu_attention.py", "--shape", "2", "2", "16", "16", "--repeats", "2")
+    rows = re.findall(
+        r"^\| (forward[^|]*) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", out, re.M
+    )
+    assert [(name, mask) for name, mask, *_ in rows] == [
+        ("forward, no grad", "causal"),
+        ("forward, no grad", "boolean"),
+        ("forward + backward", "causal"),
+        ("forward + backward", "boolean"),
+    ], out
+    assert all(float(ratio) > 0 for *_, ratio in rows)
+
+
 def test_grpo_sweep_table_and_plot_cover_every_point(tmp_path: Path) -> None:
     from bench import bench_grpo_vs_trl as bench
 

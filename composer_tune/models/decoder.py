@@ -221,9 +221,9 @@ class GroupedQueryAttention(MultiHeadAttention):
             v = v.unsqueeze(2).expand(expand_shape).flatten(1, 2)
 
         # On a CPU the full-sequence attention runs in fp32: the bf16 flash-attention kernel's
-        # forward + backward took 1.7x as long as an fp32 upcast's at SmolLM2's training shape
-        # (bench/README.md). No-grad forwards (old and reference log-probs) take the same path,
-        # so their log-probs equal the training forward's.
+        # forward + backward takes 1.6x as long as an fp32 upcast's at SmolLM2's training shape
+        # (bench/bench_cpu_attention.py). No-grad forwards (old and reference log-probs) take
+        # the same path, slower there, so that their log-probs equal the training forward's.
         dtype = q.dtype
         upcast = q.device.type == "cpu" and dtype == torch.bfloat16
         if upcast:
