@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from composer_tune import config
 from composer_tune.checkpointing import load_decoder_from_hf
 from composer_tune.checkpointing.run_state import latest_checkpoint
-from tests.recipe_runs import RecipeRun, run_recipe, run_tune
+from recipes.sft import SFTConfig, SFTRecipe
+from tests.recipe_runs import REPO_ROOT, RecipeRun, run_recipe, run_tune
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +88,37 @@ def test_fsdp_two_processes_match_single_process(tmp_path: Path) -> None:
         torch.tensor(fsdp_losses), torch.tensor(single_losses), atol=1e-4, rtol=1e-4
     )
     assert latest_checkpoint(tmp_path / "fsdp") is not None
+
+
+def test_length_grouped_micro_batches_take_the_whole_batch_step(tmp_path: Path) -> None:
+    """cpu_smoke_hints' batches (a quarter of the questions carry a hint, so most rows are
+    padded to a hinted row's length): sorted by length and run as 4 passes, the batch pads far
+    fewer positions, yet its loss and every gradient are the single pass's. Dropping or
+    repeating a row, or normalising each pass by its own tokens, fails here."""
+    cfg = config.load_config(
+        "cpu_smoke_hints",
+        [f"output_dir={tmp_path}", "eval_dataset=null", "eval_reward=null"],
+        recipe_file=REPO_ROOT / "recipes" / "sft.py",
+        schema=SFTConfig,
+    )
+    recipe = SFTRecipe(cfg)
+    recipe.setup()
+    samples = [recipe.dataloader.dataset[index] for index in range(cfg.batch_size)]
+    steps = {}
+    for groups in (1, 4):
+        cfg.length_grouped_micro_batches = groups
+        micro_batches = recipe._collate(samples)
+        assert len(micro_batches) == groups
+        assert sum(len(mb["tokens"]) for mb in micro_batches) == cfg.batch_size
+        padded = sum(mb["tokens"].numel() for mb in micro_batches)
+        recipe.model.zero_grad()
+        loss, tokens, _ = recipe._backward(micro_batches)
+        grads = {name: p.grad.clone() for name, p in recipe.model.named_parameters()}
+        steps[groups] = padded, float(loss), tokens, grads
+    whole_padded, whole_loss, whole_tokens, whole = steps[1]
+    padded, loss, tokens, grouped = steps[4]
+    assert padded < 0.75 * whole_padded, (padded, whole_padded)
+    assert tokens == whole_tokens and loss == pytest.approx(whole_loss, rel=1e-6)
+    for name, grad in whole.items():
+        torch.testing.assert_close(grouped[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    recipe.cleanup()
