@@ -50,6 +50,7 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/measure_memory.py` from anyw
 
 from composer_tune.analysis import memory  # noqa: E402
 from composer_tune.models import DecoderArgs  # noqa: E402
+from composer_tune.models.decoder import attention_in_fp32  # noqa: E402
 from composer_tune.rollout.generation import DEFAULT_PREFILL_CHUNK  # noqa: E402
 
 MIB = 2**20
@@ -132,7 +133,7 @@ def plan_for(args: argparse.Namespace, dtype: str, ac: bool, world_size: int) ->
         prompt_len=args.prompt_len,
         completion_len=args.completion_len,
         prefill_chunk=DEFAULT_PREFILL_CHUNK,
-        fp32_attention=args.device == "cpu" and dtype == "bf16",  # models/decoder.py
+        fp32_attention=attention_in_fp32(args.device, memory.torch_dtype(dtype)),
     )
 
 

@@ -261,18 +261,18 @@ class SFTRecipe:
         (this rank's share of the global token mean, divided by the accumulation steps), its
         target-token count and each pass's router metrics (mixtures of experts)."""
         cfg, device = self.cfg, self.dist.device
-        masks = [mb["targets"].to(device) != IGNORE_INDEX for mb in micro_batches]
+        targets = [mb["targets"].to(device) for mb in micro_batches]
+        masks = [t != IGNORE_INDEX for t in targets]
         num_tokens = sum(mask.sum() for mask in masks)
         # Token-mean over the global batch: sum here, normalise by all ranks' token count.
         global_tokens = all_reduce_sum(num_tokens.detach().clone().double()).clamp(min=1)
         passes = len(micro_batches) * cfg.gradient_accumulation_steps
         loss = torch.zeros((), dtype=torch.float64, device=device)
         router_metrics = []
-        for micro_batch, mask in zip(micro_batches, masks, strict=True):
-            targets = micro_batch["targets"].to(device)
+        for micro_batch, micro_targets, mask in zip(micro_batches, targets, masks, strict=True):
             logprobs = self.model(
                 micro_batch["tokens"].to(device),
-                head_fn=logprob_head(targets, chunk_size=cfg.logprob_chunk_size),
+                head_fn=logprob_head(micro_targets, chunk_size=cfg.logprob_chunk_size),
             )
             micro_loss = -(logprobs * mask).sum() / global_tokens * self.dist.world_size
             micro_loss = micro_loss / cfg.gradient_accumulation_steps

@@ -31,16 +31,25 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from composer_tune.models import DecoderArgs
+from composer_tune.models.decoder import attention_in_fp32
 
 if TYPE_CHECKING:
     from composer_tune.channels.composer import ComposerChannels
 
 GIB = 2**30
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 FORWARD = "forward"
 BACKWARD_HEAD = "backward, head"
@@ -59,14 +68,19 @@ OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 FSDP_LAYERS_IN_FLIGHT = 2
 
 
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of a dtype named as in the configs (``bf16``, ``fp32``, ...)."""
+def torch_dtype(name: str) -> torch.dtype:
+    """The dtype named as in the configs (``bf16``, ``fp32``, ...)."""
     try:
-        return DTYPE_BYTES[name]
+        return DTYPES[name]
     except KeyError:
         raise ValueError(
-            f"unknown dtype '{name}': expected one of {', '.join(sorted(DTYPE_BYTES))}"
+            f"unknown dtype '{name}': expected one of {', '.join(sorted(DTYPES))}"
         ) from None
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype named as in the configs (``bf16``, ``fp32``, ...)."""
+    return torch_dtype(name).itemsize
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -654,7 +668,6 @@ def _optimizer(cfg: DictConfig, device: str, offload: bool) -> tuple[int, str, s
 
 def model_args_from_config(cfg: DictConfig) -> DecoderArgs:
     """Builds the config's ``model`` node on the meta device (no memory) and returns its shape."""
-    import torch
     from torchtune.config import instantiate
 
     if OmegaConf.select(cfg, "model") is None:
@@ -683,8 +696,6 @@ def recipe_channels(cfg: DictConfig, world_size: int) -> ComposerChannels | None
     one value it checks that a memory estimate need not have is channel 3's data source:
     ``dpo.pairs`` left null or ``???`` for the launch command to supply is taken as given.
     """
-    import torch
-
     from composer_tune.channels.composer import ComposerChannels
     from composer_tune.distributed import DistInfo
 
@@ -797,8 +808,8 @@ def plan_from_config(
     take("optimizer_states", states, source)
     take("optimizer_impl", impl, f"optimizer settings, device {device}")
     take("prefill_chunk", DEFAULT_PREFILL_CHUNK, "default: rollout.generation prefill chunk")
-    native = (OmegaConf.select(cfg, "model.backend", default=None) or "native") == "native"
-    if device == "cpu" and native and dtype_bytes(values["param_dtype"]) == 2:
+    # The model is the native decoder (model_args_from_config refuses others).
+    if attention_in_fp32(device, torch_dtype(values["param_dtype"])):
         take("fp32_attention", True, "native decoder on a CPU in bf16: attention in fp32")
     engine = OmegaConf.select(cfg, "rollout.engine", default=None) if rollouts else None
     take("rollout_engine", engine or "native", "config rollout.engine" if engine else "default")

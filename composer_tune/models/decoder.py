@@ -220,12 +220,8 @@ class GroupedQueryAttention(MultiHeadAttention):
             k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)
             v = v.unsqueeze(2).expand(expand_shape).flatten(1, 2)
 
-        # On a CPU the full-sequence attention runs in fp32: the bf16 flash-attention kernel's
-        # forward + backward takes 1.6x as long as an fp32 upcast's at SmolLM2's training shape
-        # (bench/bench_cpu_attention.py). No-grad forwards (old and reference log-probs) take
-        # the same path, slower there, so that their log-probs equal the training forward's.
         dtype = q.dtype
-        upcast = q.device.type == "cpu" and dtype == torch.bfloat16
+        upcast = attention_in_fp32(q.device, dtype)
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
         with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
@@ -241,6 +237,15 @@ class GroupedQueryAttention(MultiHeadAttention):
             )
         out = out.to(dtype).transpose(1, 2).contiguous().view(b, s_x, -1)
         return self.output_proj(out)
+
+
+def attention_in_fp32(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the full-sequence (uncached) attention of ``dtype`` inputs on ``device`` runs in
+    fp32: bf16 on a CPU, where the bf16 flash-attention kernel's forward + backward takes 1.6x
+    as long as an fp32 upcast's at SmolLM2's training shape (bench/bench_cpu_attention.py).
+    No-grad forwards (old and reference log-probs) take the same path, slower there, so that
+    their log-probs equal the training forward's."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
 
 
 def write_kv_cache(
