@@ -40,6 +40,11 @@ class EvalResult:
     # num_samples counts every completion) instead of greedy pass@1.
     sampled: bool = False
     samples_per_problem: int = 1
+    # Completions that ran to ``max_new_tokens`` without a stop token (single turn; an episode's
+    # truncation is in episode_metrics).
+    truncated_rate: float = 0.0
+    # With ``group_by``: accuracy within each value of that dataset column (``eval/accuracy/<v>``).
+    group_accuracy: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix(self) -> str:
@@ -54,7 +59,10 @@ class EvalResult:
             "reward_mean": self.reward_mean,
             "completion_tokens": self.mean_completion_tokens,
             **self.episode_metrics,
+            **{f"accuracy/{group}": value for group, value in self.group_accuracy.items()},
         }
+        if not self.episode_metrics:
+            metrics["truncated"] = self.truncated_rate
         return {self.prefix + key: value for key, value in metrics.items()}
 
     def summary(self) -> str:
@@ -63,12 +71,15 @@ class EvalResult:
             problems = self.num_samples // self.samples_per_problem
             return (
                 f"held-out accuracy (sampled, mean of {self.samples_per_problem} per problem) "
-                f"{self.accuracy:.3f} over {problems} problems"
+                f"{self.accuracy:.3f} over {problems} problems{self._groups()}"
             )
         return (
-            f"held-out accuracy {self.accuracy:.3f} over {self.num_samples} problems; "
-            f"e.g. {self.examples[:2]}"
+            f"held-out accuracy {self.accuracy:.3f} over {self.num_samples} problems"
+            f"{self._groups()}; e.g. {self.examples[:2]}"
         )
+
+    def _groups(self) -> str:
+        return "".join(f", {group} {value:.3f}" for group, value in self.group_accuracy.items())
 
 
 def _example(sample: Mapping[str, Any], text: str, result: RewardResult) -> dict[str, Any]:
@@ -95,6 +106,7 @@ def evaluate_heldout(
     num_examples: int = 3,
     agent: AgentRuntime | None = None,
     sampling: EvalSampling | None = None,
+    group_by: str | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of ``model`` on ``dataset``: accuracy (``RewardResult.correct``) and mean
     reward, scored by ``reward`` as training scores (a ``RewardFunctions``, a project reward or
@@ -122,8 +134,12 @@ def evaluate_heldout(
     # Equal batch counts on every rank: FSDP forwards are collectives.
     per_rank = -(-len(dataset) // dist_info.world_size) * repeats
     num_batches = -(-per_rank // batch_size)
-    # correct, reward (of the scored), samples, completion tokens, scored samples
-    totals = torch.zeros(5, dtype=torch.float64)
+    # Every rank reads the whole dataset, so every rank lists the same groups in the same order.
+    groups = sorted({str(dataset[i][group_by]) for i in range(len(dataset))}) if group_by else []
+    # Per group: correct, samples.
+    group_totals = torch.zeros(2 * len(groups), dtype=torch.float64)
+    # correct, reward (of the scored), samples, completion tokens, scored samples, truncated
+    totals = torch.zeros(6, dtype=torch.float64)
     examples: list[dict[str, Any]] = []
     records: list[EpisodeRecord] = []
     for batch_index in range(num_batches):
@@ -162,6 +178,7 @@ def evaluate_heldout(
                 reward, ScoringBatch(samples, texts, output.completions), windowed.over_window
             )
             model_tokens = float(output.completion_lengths.sum())
+            totals[5] += float(output.truncated[: len(batch_ids)].sum())
         if not batch_ids:
             continue
         if agent is not None:
@@ -172,10 +189,17 @@ def evaluate_heldout(
         totals[2] += len(results)
         totals[3] += model_tokens
         totals[4] += len(scores)
+        if group_by:
+            for sample, result in zip(samples, results, strict=True):
+                group = groups.index(str(sample[group_by]))
+                group_totals[2 * group] += bool(result.correct)
+                group_totals[2 * group + 1] += 1
         for sample, text, result in zip(samples, texts, results, strict=True):
             if len(examples) < num_examples:
                 examples.append(_example(sample, text, result))
     all_reduce_sum(totals)
+    if groups:
+        all_reduce_sum(group_totals)
     count = max(int(totals[2]), 1)
     episode_stats: dict[str, float] = {}
     if agent is not None:
@@ -191,4 +215,9 @@ def evaluate_heldout(
         episode_metrics=episode_stats,
         sampled=sampling is not None,
         samples_per_problem=repeats,
+        truncated_rate=float(totals[5]) / count,
+        group_accuracy={
+            group: float(group_totals[2 * i] / max(group_totals[2 * i + 1], 1))
+            for i, group in enumerate(groups)
+        },
     )

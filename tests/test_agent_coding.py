@@ -47,9 +47,10 @@ def test_coding_environment_tools_and_hidden_test_reward(sample: dict) -> None:
     assert [t.__name__ for t in environment_tools(environment)] == ["run_code", "run_tests"]
     # A solution that passes the visible tests but not a hidden one.
     partial = "def reverse_words(text):\n    return ' '.join(reversed(text.split(' '))) if text.strip() else ''\n"
+    # Failing a visible test is a failed call: the report is the error SDPO's teacher reads.
     feedback, failed = _tool_call(environment, "run_tests", partial)
-    assert not failed
-    assert feedback.startswith("1/2 tests passed") and "expected" in feedback
+    assert failed
+    assert "TestsFailed: 1/2 tests passed" in feedback and "expected" in feedback
     feedback, _ = _tool_call(environment, "run_tests", sample["solution"])
     assert feedback == "all 2 tests passed"
     output, _ = _tool_call(environment, "run_code", "print(6 * 7)")

@@ -90,3 +90,40 @@ def test_a_config_without_a_pretrained_checkpoint_is_refused(capsys) -> None:
     status = tool.main(["--config", "cpu_smoke", "--out", "unused.jsonl"])
     assert status == 1
     assert "has no checkpoint.initial_checkpoint" in capsys.readouterr().err
+
+
+CODE_SAMPLE = {
+    "id": "train/count_even/0",
+    "prompt": [{"role": "user", "content": "Write a Python function `count_even(nums)` ..."}],
+    "tests": ["assert count_even([2]) == 1"] * 6,
+    "solution": "def count_even(nums):\n    return sum(1 for x in nums if x % 2 == 0)\n",
+}
+CODE_RULES = tool.CODE_RULES
+
+
+def test_code_teachers_see_the_reference_solution() -> None:
+    teacher = tool.hinted(CODE_SAMPLE, tool.CODE_TEACHER_HINTS["teacher"])
+    assert teacher["prompt"][-1]["content"].endswith(
+        "passes the tests:\n```python\n" + CODE_SAMPLE["solution"] + "```"
+    )
+    assert tool.is_code_task(CODE_SAMPLE) and not tool.is_code_task(SAMPLE)
+
+
+def test_code_replies_agree_only_when_both_pass_the_tests() -> None:
+    """On code, teachers agree by passing, not by wording: two different passing programs are
+    a consensus against a failing trace; a consensus of failing programs is none."""
+    replies = {"verifier": "```python\nA\n```", "teacher": "```python\nB\n```", "answer_key": "C"}
+    passing = {"trace": False, "verifier": True, "teacher": True, "answer_key": True}
+    record = tool.replayed_record(CODE_SAMPLE, 0, "wrong", replies, "m", passing)
+    pair, mode = mine_step(record, CODE_RULES)
+    assert mode == "consensus_over_trace"
+    assert pair["rejected"]["content"] == "wrong" and pair["chosen"]["content"] in replies.values()
+    assert "gold_answer" not in pair["provenance"]
+    all_fail = dict.fromkeys(passing, False)
+    record = tool.replayed_record(CODE_SAMPLE, 0, "wrong", replies, "m", all_fail)
+    assert mine_step(record, CODE_RULES) == (None, "no_consensus")
+    one_fails = {**passing, "trace": True, "answer_key": False}
+    record = tool.replayed_record(CODE_SAMPLE, 0, "right", replies, "m", one_fails)
+    pair, mode = mine_step(record, CODE_RULES)
+    assert mode == "trace_over_outlier"
+    assert pair["chosen"]["content"] == "right" and pair["rejected"]["content"] == "C"

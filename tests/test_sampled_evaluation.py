@@ -70,7 +70,14 @@ def test_greedy_is_the_default_and_logs_under_eval(tiny, greedy) -> None:
     dataset, reward = greedy
     result = evaluate(*tiny, dataset, reward)
     assert result.accuracy == 1.0 and result.num_samples == PROBLEMS
-    assert set(result.metrics()) == {"eval/accuracy", "eval/reward_mean", "eval/completion_tokens"}
+    assert set(result.metrics()) == {
+        "eval/accuracy",
+        "eval/reward_mean",
+        "eval/completion_tokens",
+        "eval/truncated",
+    }
+    # The tiny random model never stops within 6 tokens: every completion is truncated.
+    assert result.metrics()["eval/truncated"] == 1.0
 
 
 def test_a_cold_sample_is_the_greedy_one_and_every_sample_counts(tiny, greedy) -> None:
@@ -82,6 +89,7 @@ def test_a_cold_sample_is_the_greedy_one_and_every_sample_counts(tiny, greedy) -
         "eval_sampled/accuracy",
         "eval_sampled/reward_mean",
         "eval_sampled/completion_tokens",
+        "eval_sampled/truncated",
     }
     assert "sampled, mean of 3 per problem" in result.summary()
     assert f"over {PROBLEMS} problems" in result.summary()
@@ -141,3 +149,16 @@ def test_config_key_is_checked_when_the_config_loads() -> None:
         config.load_recipe_config(
             REPO_ROOT / "recipes/grpo.py", "cpu_smoke", ["eval_sampling.samples=4"]
         )
+
+
+def test_group_by_reports_each_groups_accuracy(tiny, greedy) -> None:
+    """``group_by`` (config ``eval_group_by``): accuracy within each value of a dataset column,
+    beside the overall one; problems scored wrong count in their own group only."""
+    dataset, reward = greedy
+    rows = [{**dataset[i], "split": "even" if i % 2 == 0 else "odd"} for i in range(PROBLEMS)]
+    one_odd_wrong = MatchesText({**reward.expected, rows[1]["id"]: "never generated"})
+    result = evaluate(*tiny, rows, one_odd_wrong, group_by="split")
+    assert result.group_accuracy == {"even": 1.0, "odd": 0.5}
+    assert result.accuracy == pytest.approx(4 / PROBLEMS)
+    assert result.metrics()["eval/accuracy/odd"] == 0.5
+    assert "even 1.000, odd 0.500" in result.summary()

@@ -5,6 +5,9 @@ tokens are distilled; tool output never is. A scripted engine drives real episod
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,13 +17,15 @@ from composer_tune.channels.sdpo import (
     sdpo_channel_loss,
 )
 from composer_tune.channels.sdpo.contexts import insert_hint
-from composer_tune.rewards import MathAnswerReward
+from composer_tune.data.code_tasks import read_tasks
+from composer_tune.rewards import CodeExecutionReward, MathAnswerReward
 from tests.test_agent_rollouts import (  # noqa: F401 - tiny: the model fixture
     CALL,
     scripted_episodes,
     tiny,
 )
 
+CODE_TASKS = Path(__file__).parent / "assets" / "code_tasks" / "train.jsonl"
 AGENT = {"tools": ["composer_tune.agents.calculator.calculate"], "max_turns": 4}
 SAMPLE = {"prompt": [{"role": "user", "content": "What is 347 * 68 + 5?"}], "answer": "23601"}
 BAD_CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expr": "23596 + 5"}}\n</tool_call>'
@@ -109,3 +114,52 @@ def test_other_turn_choices_never_distil_tool_output(tiny, distill_turns: str) -
 def test_an_unknown_turn_choice_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="distill_turns must be one of"):
         _sdpo("last_turn")
+
+
+def _run_tests_call(code: str) -> str:
+    call = {"name": "run_tests", "arguments": {"code": code}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_on_a_code_episode_the_turn_whose_code_failed_gets_the_test_report(tiny) -> None:  # noqa: F811
+    """The code agent's shape (grpo / sdpo smollm2_code_agent): a run_tests call whose code fails
+    a visible test is the error turn, its report is the hint, and only that turn is distilled;
+    the fixed code's turn and the final answer are not."""
+    model, tokenizer, _ = tiny
+    task = read_tasks(CODE_TASKS)[0]
+    # A short prompt: the tiny model's tokenizer spends ~1000 tokens on the real one.
+    task["prompt"] = [{"role": "user", "content": f"Write {task['entry_point']}(text)."}]
+    wrong = f"def {task['entry_point']}(text):\n    return None\n"
+    script = [
+        [_run_tests_call(wrong), f"```python\n{wrong}```"],
+        [_run_tests_call(task["solution"])],
+        [f"```python\n{task['solution']}```"],
+    ]
+    agent = {
+        "environment": {
+            "_component_": "composer_tune.agents.coding.CodingEnvironment",
+            "visible_tests": 2,
+        },
+        "max_turns": 3,
+    }
+    batch = scripted_episodes(
+        tiny, task, agent, script, reward=CodeExecutionReward(), reference=None,
+        compute_old_logp=False,
+    )  # fmt: skip
+    fixed, wrong_at_once = batch.episodes
+    assert fixed.turns == 3 and fixed.error_turn == 0
+    assert fixed.feedback.startswith("{'error': \"TestsFailed: 0/2 tests passed; test 1")
+    assert "failed: expected" in fixed.feedback
+    assert batch.rewards.tolist()[0] == 1.0 and batch.rewards.tolist()[1] < 1.0
+    cfg = _sdpo("error_turn")
+    teacher = build_sdpo_teacher_batch(batch, tokenizer=tokenizer, cfg=cfg)
+    assert teacher.error_turns == ["tool_error", "final_answer"]
+    prompt_length = int(batch.prompt_lengths[0])
+    start, end = fixed.turn_spans[0]
+    distilled = torch.nonzero(teacher.completion_mask[0]).flatten() + prompt_length
+    assert distilled.tolist() == list(range(start, end))
+    # The teacher's prompt carries the report of the failing run.
+    teacher_prompt = tokenizer.decode(teacher.tokens[0, : int(teacher.prompt_lengths[0])].tolist())
+    assert "failed: expected" in teacher_prompt
+    # Row 1 answered at once with wrong code: its final answer, with the reward's report.
+    assert wrong_at_once.error_turn == 0 and "failed: expected" in wrong_at_once.feedback

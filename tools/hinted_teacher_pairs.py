@@ -11,9 +11,14 @@ same mining rules (composer_tune.data.pairs):
 * the trace (the "agent's action"): the model's greedy reply to a training problem;
 * the teachers: the same model, greedy, with the gold answer revealed in the user turn, one
   hint wording per teacher (privileged-information teachers, as SDPO's self-teacher; no API);
+  on a code task (rows with ``tests``: ``--config smollm2_code``) the privileged information is
+  the task's reference solution (``CODE_TEACHER_HINTS``);
 * mining (``RULES``): replies agree when their final answers do; when the teachers agree with
   each other and all disagree with the trace, the first teacher's reply is chosen over the
-  trace; when all but one agree with the trace, the trace is chosen over the outlier.
+  trace; when all but one agree with the trace, the trace is chosen over the outlier. On code
+  (``CODE_RULES``) two replies agree when the task's hidden tests pass on both (the config's
+  reward, the split grader, checks the trace and every teacher reply), so a teacher consensus
+  is a consensus of passing programs over a failing trace.
 
 The pairs' prompts are the plain problems (no hint): DPO teaches the student what its hinted
 self would answer. Problems come from the config's training ``dataset`` (never its held-out
@@ -44,6 +49,7 @@ import torch  # noqa: E402
 from composer_tune import config  # noqa: E402
 from composer_tune.data.pairs import MODES, PairRules, write_pairs  # noqa: E402
 from composer_tune.models.build import enable_autocast, load_pretrained  # noqa: E402
+from composer_tune.rewards.functions import ScoringBatch, build_reward, score_completions  # noqa: E402
 from composer_tune.rollout import encode_prompts, generate  # noqa: E402
 
 # One teacher per wording; the hint follows the question in the user turn. SmolLM2-135M-Instruct
@@ -55,10 +61,17 @@ TEACHER_HINTS: dict[str, str] = {
     "teacher": "A teacher checked this problem: the correct answer is {answer}.",
     "answer_key": "The answer key checked this problem: the correct answer is {answer}.",
 }
+# Code tasks: the reference solution is the privileged information, in three wordings.
+CODE_TEACHER_HINTS: dict[str, str] = {
+    "verifier": "A verifier checked this solution against the tests:\n```python\n{solution}```",
+    "teacher": "A teacher wrote this solution, which passes the tests:\n```python\n{solution}```",
+    "answer_key": "The answer key's solution:\n```python\n{solution}```",
+}
 SOURCE_FORMAT = "hinted_teacher_replay"
 # The channel-3 rules with both modes; replies agree when their final answers do (their wording
 # is not the action on a task with a verifiable answer).
 RULES = PairRules(modes=MODES, text_match="final_answer")
+CODE_RULES = PairRules(modes=MODES, text_match="verified")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,13 +92,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def is_code_task(sample: Mapping[str, Any]) -> bool:
+    """A row of a code task (hidden ``tests`` and a reference ``solution``), not an answer task."""
+    return "tests" in sample and bool(sample.get("solution"))
+
+
 def hinted(sample: Mapping[str, Any], wording: str) -> dict[str, Any]:
-    """``sample`` with ``wording`` (formatted with its answer) after the last user message."""
+    """``sample`` with ``wording`` (formatted with its answer, or its reference solution on a code
+    task) after the last user message."""
     messages = [dict(message) for message in sample["prompt"]]
     last = messages[-1]
     if last["role"] != "user":
         raise ValueError(f"sample {sample.get('id')!r}: the prompt must end with a user message")
-    last["content"] = f"{last['content']} {wording.format(answer=sample['answer'])}"
+    if is_code_task(sample):
+        hint = wording.format(solution=sample["solution"])
+    else:
+        hint = wording.format(answer=sample["answer"])
+    last["content"] = f"{last['content']} {hint}"
     return {**sample, "prompt": messages}
 
 
@@ -116,21 +139,33 @@ def greedy_replies(
 
 
 def replayed_record(
-    sample: Mapping[str, Any], index: int, trace: str, teachers: Mapping[str, str], model: str
+    sample: Mapping[str, Any],
+    index: int,
+    trace: str,
+    teachers: Mapping[str, str],
+    model: str,
+    verified: Mapping[str, bool] | None = None,
 ) -> dict[str, Any]:
-    """One replayed-step record in tools/replay_traces.py's format (what mining reads)."""
+    """One replayed-step record in tools/replay_traces.py's format (what mining reads);
+    ``verified`` (code tasks) holds the tests' verdict on the trace (key ``trace``) and on each
+    teacher's reply."""
+    verdicts = verified or {}
+
+    def action(text: str, who: str) -> dict[str, Any]:
+        return {"text": text, "tool_calls": [], **({"verified": verdicts[who]} if verdicts else {})}
+
     return {
         "step_index": index,
         "step": {
             "context": list(sample["prompt"]),
-            "action": {"text": trace, "tool_calls": []},
+            "action": action(trace, "trace"),
             "provenance": {
                 "source_format": SOURCE_FORMAT,
                 "session_id": str(sample["id"]),
                 "step_index": 0,
                 "record_ids": [str(sample["id"])],
                 "is_sidechain": False,
-                "gold_answer": str(sample["answer"]),
+                **({} if is_code_task(sample) else {"gold_answer": str(sample["answer"])}),
             },
         },
         "tools": [],
@@ -138,7 +173,7 @@ def replayed_record(
             name: {
                 "status": "ok",
                 "model": f"{model} + {name} hint",
-                "action": {"text": text, "tool_calls": []},
+                "action": action(text, name),
             }
             for name, text in teachers.items()
         },
@@ -185,19 +220,28 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens or cfg.max_new_tokens,
         "enable_thinking": cfg.enable_thinking,
     }
+    code = is_code_task(samples[0])
+    hints, rules = (CODE_TEACHER_HINTS, CODE_RULES) if code else (TEACHER_HINTS, RULES)
     traces = greedy_replies(model, tokenizer, samples, **generation)
     teacher_replies = {
         name: greedy_replies(model, tokenizer, [hinted(s, wording) for s in samples], **generation)
-        for name, wording in TEACHER_HINTS.items()
+        for name, wording in hints.items()
     }
+    verified: dict[str, list[bool]] = {}
+    if code:  # the tests' verdict on every reply (the split grader behind the config's reward)
+        reward = build_reward(cfg.reward)
+        for name, texts in {"trace": traces, **teacher_replies}.items():
+            results = score_completions(reward, ScoringBatch(samples, texts, [[]] * len(texts)))
+            verified[name] = [bool(result.correct) for result in results]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     replayed_path = args.out.with_name(args.out.name + ".replayed.jsonl")
     with replayed_path.open("w", encoding="utf-8") as handle:
         for index, (sample, trace) in enumerate(zip(samples, traces, strict=True)):
-            replies = {name: teacher_replies[name][index] for name in TEACHER_HINTS}
-            record = replayed_record(sample, index, trace, replies, checkpoint.name)
+            replies = {name: teacher_replies[name][index] for name in hints}
+            verdicts = {name: flags[index] for name, flags in verified.items()}
+            record = replayed_record(sample, index, trace, replies, checkpoint.name, verdicts)
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    summary = write_pairs(replayed_path, RULES, args.out)
+    summary = write_pairs(replayed_path, rules, args.out)
     summary_path = args.out.with_name(args.out.name + ".summary.json")
     summary_path.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
     print(f"{args.out}: {json.dumps(summary.to_dict())}")

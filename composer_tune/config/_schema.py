@@ -93,6 +93,9 @@ class TrainingConfig:
     # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
     # {samples_per_problem, temperature, seed}; null: greedy only.
     eval_sampling: EvalSampling | None = None
+    # A dataset column (e.g. ``split``) whose values each get their own held-out accuracy
+    # (eval/accuracy/<value>); null: one accuracy over the whole held-out set.
+    eval_group_by: str | None = None
     # The chat template's enable_thinking (Qwen3's: false pre-fills an empty <think></think>
     # block in the generation prompt; templates without the switch refuse false).
     enable_thinking: bool = False

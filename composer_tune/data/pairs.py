@@ -19,7 +19,9 @@ Agreement score of two actions, in [0, 1]:
   with ``text_match: final_answer`` (tasks with a verifiable answer, where wording is not the
   action) 1 when both texts end in the same answer (``composer_tune.rewards.answer
   .extract_answer``: "So 21 - 2 = 19." and "The answer is 19" agree), else 0, also when
-  either has none.
+  either has none; or with ``text_match: verified`` (code, where two different programs can both
+  be right) 1 when both actions carry ``"verified": true`` (the task's tests passed on each: the
+  replay records it), else 0, so replies agree only in being right.
 * one calls a tool and the other only talks: 0.
 
 Mining rules (YAML mapping, every key optional)::
@@ -29,7 +31,7 @@ Mining rules (YAML mapping, every key optional)::
     disagreement_threshold: 0.4  # an action disagrees with the trace if it scores < this
     modes: [consensus_over_trace]   # and/or trace_over_outlier
     exclude_teachers: []         # e.g. the model that produced the traces (it agrees with itself)
-    text_match: tokens           # or final_answer: how two text-only actions are compared
+    text_match: tokens           # or final_answer, verified: how two text-only actions compare
 
 Decision per replayed step:
 
@@ -74,7 +76,7 @@ from composer_tune.teachers.protocol import action_to_message, normalise_message
 
 TOOL_NAME_WEIGHT = 0.5
 MODES = ("consensus_over_trace", "trace_over_outlier")
-TEXT_MATCHES = ("tokens", "final_answer")
+TEXT_MATCHES = ("tokens", "final_answer", "verified")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
@@ -136,9 +138,19 @@ def final_answer_agreement(a: str, b: str) -> float:
     return 1.0 if answer is not None and answer == extract_answer(b) else 0.0
 
 
+@dataclass
+class VerifiedAction(Action):
+    """A replayed action with the verifier's verdict on it (None: not checked)."""
+
+    verified: bool | None = None
+
+
 def action_agreement(a: Action, b: Action, text_match: str = "tokens") -> float:
     """Agreement of two actions in [0, 1] (see the module docstring)."""
     if not a.tool_calls and not b.tool_calls:
+        if text_match == "verified":
+            both = getattr(a, "verified", None) is True and getattr(b, "verified", None) is True
+            return 1.0 if both else 0.0
         if text_match == "final_answer":
             return final_answer_agreement(a.text, b.text)
         return text_similarity(a.text, b.text)
@@ -258,11 +270,12 @@ class PairSummary:
         }
 
 
-def _action(data: Mapping[str, Any]) -> Action:
-    return Action(
+def _action(data: Mapping[str, Any]) -> VerifiedAction:
+    return VerifiedAction(
         text=data.get("text") or "",
         tool_calls=[ToolCall(**call) for call in data.get("tool_calls", [])],
         thinking=data.get("thinking"),
+        verified=data.get("verified"),
     )
 
 

@@ -52,7 +52,8 @@ class CodeExecutionReward:
     """Scores completions by running their code against ``sample["tests"]`` (split run).
 
     score: 1.0 when every test passes, else the fraction passed when ``partial_credit`` (0.0
-    otherwise). ``sample["timeout_s"]`` (when set) replaces ``limits.wall_time_s``, the budget
+    otherwise). ``sample["code_prefix"]`` (when set) runs before the completion's code, in the
+    solution's process: a problem's given imports and helpers (HumanEval's prompt). ``sample["timeout_s"]`` (when set) replaces ``limits.wall_time_s``, the budget
     of all the tests together; ``per_test_timeout_s`` (off by default) gives each test its own
     budget instead, so that a slow test fails alone without losing the others' credit.
     feedback: the first failing test and its error, or what went wrong ("timed out after 2s"):
@@ -96,7 +97,8 @@ class CodeExecutionReward:
             if code is None:
                 results[index] = RewardResult(0.0, False, "no code block found")
             else:
-                jobs.append((index, code))
+                prefix = sample.get("code_prefix")
+                jobs.append((index, f"{prefix}\n{code}" if prefix else code))
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="coding-reward") as pool:
             scored = pool.map(lambda job: self._score(job[1], samples[job[0]]), jobs)
             for (index, _), result in zip(jobs, scored, strict=True):

@@ -562,6 +562,7 @@ def evaluate_generation(
             max_new_tokens=cfg.eval_max_new_tokens,
             enable_thinking=cfg.enable_thinking,
             sampling=sampling,
+            group_by=cfg.get("eval_group_by"),
             **options,
         )
         for sampling in [None, *sampled]
