@@ -102,7 +102,7 @@ class ComposerFullRecipe:
     def train(self) -> bool:
         """Trains to ``max_steps``; False if a stop signal ended the run early (checkpointed)."""
         cfg, run, progress = self.cfg, self.run, self.run.progress
-        if not run.resumed:
+        if not run.resumed and cfg.eval_at_start:
             progress.record_before(*self.evaluate())
         chores = run.chores(self.evaluate, self.save_checkpoint)
         prompts = epoch_batches(run.task.loader, run.task.sampler, progress)

@@ -222,7 +222,7 @@ class DiLoCoRecipe:
         """Trains to ``max_steps``; returns False if ``stop`` was signalled and ended the run
         early (after a committed sync every replica agreed on, with a checkpoint saved there)."""
         cfg, run, progress = self.cfg, self.run, self.run.progress
-        if not run.resumed:
+        if not run.resumed and cfg.eval_at_start:
             progress.record_before(*self.evaluate())
         # The bar counts syncs; evaluation happens at syncs, not at inner steps.
         chores = run.chores(

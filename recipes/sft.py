@@ -208,7 +208,7 @@ class SFTRecipe:
         """Trains to ``max_steps``; returns False if a stop signal ended the run early (after
         saving a checkpoint at the end of the current SFT step)."""
         cfg, progress = self.cfg, self.progress
-        if not self.resumed:
+        if not self.resumed and cfg.eval_at_start:
             progress.record_before(self.evaluate())
         chores = LoopChores(
             cfg, self.dist, progress, log=self.metric_log.log, evaluate=self.evaluate,

@@ -137,6 +137,7 @@ def test_every_objective_runs(sft_warm_start: RecipeRun, tmp_path: Path) -> None
         "loss.kl_mode=reward",
         "steps_per_generation=2",
         "loss.mask_truncated_completions=true",
+        "eval_at_start=false",  # a ladder's arms measure the shared starting point once
     ]
     variants["sampling_correction_two_iterations"] = [
         "loss.sampling_correction=token_mask",
@@ -169,6 +170,9 @@ def test_every_objective_runs(sft_warm_start: RecipeRun, tmp_path: Path) -> None
             # The second step reuses the first step's rollout: its ratio is no longer 1.
             assert logged[2]["ratio/mean"] != 1.0, (name, logged)
         assert latest_checkpoint(tmp_path / name).name == "step_0000002"
+        evaluated_at_start = "eval/accuracy" in logged.get(0, {})
+        assert evaluated_at_start == ("eval_at_start=false" not in overrides), (name, logged)
+        assert "eval/accuracy" in logged[2], (name, logged)  # the final evaluation always runs
         if "loss.beta=0.1" in overrides:
             # The reference is the frozen starting policy: no divergence before the first
             # update, some after it.

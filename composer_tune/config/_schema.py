@@ -88,6 +88,9 @@ class TrainingConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     eval_every_n_steps: int = 0  # 0: evaluate only before and after training
+    # false: no evaluation before the first step (a ladder's arms that share the same starting
+    # point measure it once; the run's summary line then has no "before").
+    eval_at_start: bool = True
     eval_batch_size: int = 64
     eval_max_new_tokens: int = 16
     # Also a sampled evaluation after each greedy one (logged as eval_sampled/*):
