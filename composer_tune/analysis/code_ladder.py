@@ -1,0 +1,146 @@
+"""The code ladder's table: held-out pass@1 per arm on each held-out split, from ladder results.
+
+``tools/ladder.py`` writes ``results.json`` (every metric series of every run). An arm of the
+code ladder is one ladder arm in one results file (several ladders ran side by side: A1 and A2,
+A2 without the feedback, A4, the flipped control), so each row names its file and arm key.
+Each cell is mean ± sample std over seeds; A0 is step 0 (the base model), read from every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SPLITS = ("heldout_templates", "heldout_params")
+MODES = {"greedy": "eval/accuracy/", "sampled": "eval_sampled/accuracy/"}
+# Sampled training replies: mean length and the share cut off at max_new_tokens.
+LENGTH, TRUNCATED, REWARD = "completion_length/mean", "truncation_rate", "reward/mean"
+LAST_STEPS = 5  # reply length and truncation are averaged over the last steps
+
+
+@dataclass(frozen=True)
+class ArmSource:
+    """A row of the table: ``label`` is what it shows; ``results`` a ladder's results.json;
+    ``arm`` its key there (``a1``, ``a2``, ...)."""
+
+    label: str
+    results: Path
+    arm: str
+
+    @classmethod
+    def parse(cls, text: str) -> ArmSource:
+        """``LABEL=PATH:ARM`` (PATH a ladder folder or its results.json)."""
+        label, sep, rest = text.partition("=")
+        path, colon, arm = rest.rpartition(":")
+        if not sep or not colon or not label or not arm:
+            raise ValueError(f"arm {text!r}: expected LABEL=PATH:ARM")
+        results = Path(path)
+        return cls(label, results / "results.json" if results.is_dir() else results, arm)
+
+
+def load_runs(source: ArmSource) -> list[dict[str, Any]]:
+    """The arm's completed runs (status ok), by seed; ValueError naming what is missing."""
+    if not source.results.is_file():
+        raise ValueError(f"{source.label}: no results file {source.results}")
+    runs = json.loads(source.results.read_text())["runs"].values()
+    ok = sorted(
+        (r for r in runs if r["arm"] == source.arm and r["status"] == "ok"), key=lambda r: r["seed"]
+    )
+    if not ok:
+        raise ValueError(f"{source.label}: no completed {source.arm} run in {source.results}")
+    return ok
+
+
+def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
+    """A run's series ``[[step, value], ...]`` of ``name`` (replica 0's)."""
+    return run["metrics"][0].get(name, []) if run["metrics"] else []
+
+
+def at_step(series: Sequence[Sequence[float]], step: int | None) -> float | None:
+    """The value logged at ``step`` (None: the last one), or None."""
+    if not series:
+        return None
+    if step is None:
+        return series[-1][1]
+    found = [value for at, value in series if at == step]
+    return found[-1] if found else None
+
+
+def last_steps_mean(series: Sequence[Sequence[float]], count: int = LAST_STEPS) -> float | None:
+    finite = [value for _, value in series[-count:] if math.isfinite(value)]
+    return statistics.fmean(finite) if finite else None
+
+
+def cell(values: Sequence[float | None], digits: int = 3) -> str:
+    """``mean ± std`` over the values present ("–" when none; the mean alone for one)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "–"
+    mean = statistics.fmean(present)
+    if len(present) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(present):.{digits}f}"
+
+
+def arm_values(runs: Sequence[Mapping[str, Any]], step: int | None) -> dict[str, list]:
+    """Per column, one value per run: accuracy on each split and mode, reply length and
+    truncation over the last steps (at ``step``: the held-out ones only)."""
+    columns: dict[str, list] = {}
+    for mode, prefix in MODES.items():
+        for split in SPLITS:
+            columns[f"{mode}/{split}"] = [at_step(metric(r, prefix + split), step) for r in runs]
+    columns["reply_tokens"] = [last_steps_mean(metric(r, LENGTH)) for r in runs]
+    columns["truncated"] = [last_steps_mean(metric(r, TRUNCATED)) for r in runs]
+    return columns
+
+
+def table(sources: Sequence[ArmSource]) -> str:
+    """The markdown table: A0 (step 0 of every run), then each arm at its last evaluation."""
+    header = (
+        "| arm | seeds | held-out templates, greedy | held-out templates, sampled | "
+        "held-out params, greedy | held-out params, sampled | reply tokens / truncated "
+        "(last 5 steps) |\n|---|---|---|---|---|---|---|"
+    )
+    rows, base_runs = [], []
+    for source in sources:
+        runs = load_runs(source)
+        base_runs += runs
+        values = arm_values(runs, None)
+        rows.append(
+            f"| {source.label} | {len(runs)} | "
+            + " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
+            + f" | {cell(values['reply_tokens'], 1)} / {cell(values['truncated'], 2)} |"
+        )
+    base = arm_values(base_runs, 0)
+    base_row = (
+        f"| A0 base model (step 0 of all {len(base_runs)} runs) | – | "
+        + " | ".join(cell(base[f"{m}/{s}"]) for s in SPLITS for m in MODES)
+        + " | |"
+    )
+    return "\n".join([header, base_row, *rows])
+
+
+def per_seed(sources: Sequence[ArmSource]) -> str:
+    """One line per run: its seed and every held-out figure before and after."""
+    lines = [
+        "| arm | seed | step | "
+        + " | ".join(f"{s} {m}" for s in SPLITS for m in MODES)
+        + " | wall (s) |\n|---|---|---|"
+        + "---|" * (len(SPLITS) * len(MODES) + 1)
+    ]
+    for source in sources:
+        for run in load_runs(source):
+            for step in (0, None):
+                values = arm_values([run], step)
+                shown = "0" if step == 0 else "last"
+                figures = " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
+                lines.append(
+                    f"| {source.label} | {run['seed']} | {shown} | {figures} | "
+                    f"{run.get('wall_s', float('nan')):.0f} |"
+                )
+    return "\n".join(lines)

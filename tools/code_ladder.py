@@ -1,0 +1,89 @@
+"""The code ladder's table and plots from the ladders that ran its arms (tools/ladder.py).
+
+    python tools/code_ladder.py --out docs/ladder_smollm2_code \\
+        --arm "A1 GRPO=runs/code_ladder_a1_a2:a1" --arm "A2 SDPO=runs/code_ladder_a1_a2:a2" \\
+        --arm "A2 without the feedback=runs/code_ladder_a2_nofb:a2" \\
+        --arm "A4 composer_full=runs/code_ladder_a4:a4" --arm "A1 flipped=runs/code_ladder_flip:a1"
+
+Each ``--arm LABEL=PATH:ARM`` is one row: PATH a ladder's folder (or its results.json), ARM the
+arm key in it. Writes ``results.md`` (the table: held-out pass@1 greedy and sampled on held-out
+templates and held-out parameters, mean ± std over seeds, A0 = step 0; then every run's figures)
+and ``reward.png`` / ``truncation.png`` (training reward and truncation per step, each arm's mean
+over seeds) into ``--out``, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python tools/code_ladder.py` from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+from composer_tune.analysis.code_ladder import (  # noqa: E402
+    REWARD,
+    TRUNCATED,
+    ArmSource,
+    load_runs,
+    metric,
+    per_seed,
+    table,
+)
+
+
+def plot(sources: list[ArmSource], name: str, ylabel: str, path: Path) -> None:
+    """``name`` per step, each arm's mean over its seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for source in sources:
+        by_step: dict[int, list[float]] = {}
+        for run in load_runs(source):
+            for step, value in metric(run, name):
+                by_step.setdefault(int(step), []).append(value)
+        steps = sorted(by_step)
+        axes.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=source.label)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel(ylabel)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--arm", action="append", required=True, help="LABEL=PATH:ARM")
+    parser.add_argument("--out", type=Path, help="folder for results.md and the plots")
+    args = parser.parse_args(argv)
+    try:
+        sources = [ArmSource.parse(text) for text in args.arm]
+        summary, runs = table(sources), per_seed(sources)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = " ".join(["python tools/code_ladder.py", *(f'--arm "{a}"' for a in args.arm)])
+        (args.out / "results.md").write_text(
+            f"# The code ladder\n\n`{command} --out {args.out}`\n\n{summary}\n\n"
+            f"## Every run\n\n{runs}\n"
+        )
+        plot(sources, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
+        plot(sources, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
