@@ -160,12 +160,13 @@ def _block_sizes(length: int, world_size: int) -> list[int]:
 
 @dataclass
 class _Matrix:
-    """One Muon parameter's step: its update (this rank's block, Newton-Schulz dtype)."""
+    """A sharded Muon parameter in a round: its update (this rank's block, Newton-Schulz
+    dtype), its fused parts and the dimension it is sharded on."""
 
     param: torch.Tensor
     update: torch.Tensor
     parts: int
-    sharded_dim: int | None
+    sharded_dim: int
 
 
 class Muon(torch.optim.Optimizer):
@@ -306,48 +307,57 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        momentum, lr = group["momentum"], float(group["lr"])
-        matrices = []
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
-            grad = _local(param.grad).float()
-            buffer = _local(state["momentum_buffer"])
-            buffer.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            dtype = _ns_dtype(group["ns_dtype"], param.device)
-            matrices.append(
-                _Matrix(param, update.to(dtype), self._parts[param], self._sharded_dims[param])
-            )
-        orthogonalised = self._orthogonalise(matrices, group)
-        for matrix, ortho in zip(matrices, orthogonalised, strict=True):
-            rows, cols = matrix.param.shape[-2] // matrix.parts, matrix.param.shape[-1]
-            local = _local(matrix.param)
-            local.mul_(1 - lr * group["weight_decay"])
-            local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
-
-    def _orthogonalise(self, matrices: list[_Matrix], group: dict[str, Any]) -> list[torch.Tensor]:
-        """Each matrix's orthogonalised update, this rank's block of it."""
+        """Matrices held whole first, then the sharded ones a round at a time (module
+        docstring): only one round's updates exist at once."""
         ns = {
             "coefficients": group["ns_coefficients"],
             "steps": group["ns_steps"],
             "eps": group["ns_eps"],
         }
-        results: list[torch.Tensor | None] = [None] * len(matrices)
-        sharded: dict[Any, list[int]] = {}
-        for index, matrix in enumerate(matrices):
-            if matrix.sharded_dim is None:
-                results[index] = newton_schulz(matrix.update, parts=matrix.parts, **ns)
+        params = [param for param in group["params"] if param.grad is not None]
+        sharded: dict[Any, list[torch.Tensor]] = {}
+        for param in params:
+            if self._sharded_dims[param] is None:
+                update = self._update(param, group)
+                self._apply(param, newton_schulz(update, parts=self._parts[param], **ns), group)
+                del update  # before the next matrix's: one matrix's temporaries at a time
             else:
-                sharded.setdefault(matrix.param.device_mesh, []).append(index)
-        for mesh, indices in sharded.items():
-            _orthogonalise_round_robin(
-                [matrices[i] for i in indices], mesh.get_group(), ns, results, indices
-            )
-        return results  # type: ignore[return-value]
+                sharded.setdefault(param.device_mesh, []).append(param)
+        for mesh, members in sharded.items():
+            process_group = mesh.get_group()
+            world_size = dist.get_world_size(process_group)
+            members.sort(key=lambda param: -param.numel())  # stable: the same order on every rank
+            for start in range(0, len(members), world_size):
+                matrices = [
+                    _Matrix(param, self._update(param, group), self._parts[param],
+                            self._sharded_dims[param])
+                    for param in members[start : start + world_size]
+                ]  # fmt: skip
+                blocks = _orthogonalise_round(matrices, process_group, ns)
+                for matrix, ortho in zip(matrices, blocks, strict=True):
+                    self._apply(matrix.param, ortho, group)
+                del matrices, blocks, ortho  # before the next round's: one round at a time
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The momentum step (in fp32) and the update to orthogonalise, in the Newton-Schulz
+        dtype: this rank's block of it."""
+        momentum = group["momentum"]
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
+        grad = _local(param.grad).float()
+        buffer = _local(state["momentum_buffer"])
+        buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        return update.to(_ns_dtype(group["ns_dtype"], param.device))
+
+    def _apply(self, param: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
+        """Decoupled weight decay, then the orthogonalised update at the matrix's rate."""
+        lr = float(group["lr"])
+        rows, cols = param.shape[-2] // self._parts[param], param.shape[-1]
+        local = _local(param)
+        local.mul_(1 - lr * group["weight_decay"])
+        local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
 
 
 def _ns_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -358,52 +368,46 @@ def _ns_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
-def _orthogonalise_round_robin(
-    matrices: list[_Matrix],
-    process_group: dist.ProcessGroup,
-    ns: dict[str, Any],
-    results: list[torch.Tensor | None],
-    indices: list[int],
-) -> None:
-    """Orthogonalises matrices sharded across ``process_group`` (every rank passes the same list,
-    holding its own blocks): largest first, ``world_size`` per round, matrix ``k`` of a round
-    assembled on rank ``k`` by one ``all_to_all``, orthogonalised there and its blocks sent back
-    by another. Writes each result (this rank's block) to ``results[indices[i]]``."""
+def _orthogonalise_round(
+    matrices: list[_Matrix], process_group: dist.ProcessGroup, ns: dict[str, Any]
+) -> list[torch.Tensor]:
+    """One round of at most ``world_size`` matrices sharded across ``process_group`` (every rank
+    passes the same matrices, holding its own blocks): one ``all_to_all`` assembles matrix ``k``
+    on rank ``k``, which orthogonalises it, and another sends each rank its blocks of the
+    results, which this returns in order."""
     world_size = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
-    order = sorted(range(len(matrices)), key=lambda i: -matrices[i].param.numel())
-    for start in range(0, len(order), world_size):
-        batch = order[start : start + world_size]
-        first = matrices[batch[0]].update
-        sent = [matrices[i].update.reshape(-1) for i in batch]
-        sent_sizes = [block.numel() for block in sent] + [0] * (world_size - len(batch))
-        owned = matrices[batch[rank]] if rank < len(batch) else None
-        if owned is None:
-            block_shapes, received_sizes = [], [0] * world_size
-        else:
-            block_shapes = _block_shapes(owned, world_size, rank)
-            received_sizes = [math.prod(shape) for shape in block_shapes]
-        received = first.new_empty(sum(received_sizes))
-        dist.all_to_all_single(
-            received, torch.cat(sent), received_sizes, sent_sizes, group=process_group
+    first = matrices[0].update
+    sent_sizes = [m.update.numel() for m in matrices] + [0] * (world_size - len(matrices))
+    owned = matrices[rank] if rank < len(matrices) else None
+    if owned is None:
+        block_shapes, received_sizes = [], [0] * world_size
+    else:
+        block_shapes = _block_shapes(owned, world_size, rank)
+        received_sizes = [math.prod(shape) for shape in block_shapes]
+    received = first.new_empty(sum(received_sizes))
+    sent = torch.cat([m.update.reshape(-1) for m in matrices])
+    dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=process_group)
+    del sent  # each buffer goes as soon as it is spent: a round holds a few matrices at most
+    returned = first.new_empty(0)
+    if owned is not None:
+        blocks = received.split(received_sizes)
+        whole = torch.cat(
+            [block.view(shape) for block, shape in zip(blocks, block_shapes, strict=True)],
+            dim=owned.sharded_dim,
         )
-        if owned is None:
-            returned = first.new_empty(0)
-        else:
-            blocks = received.split(received_sizes)
-            whole = torch.cat(
-                [block.view(shape) for block, shape in zip(blocks, block_shapes, strict=True)],
-                dim=owned.sharded_dim,
-            )
-            ortho = newton_schulz(whole, parts=owned.parts, **ns)
-            rows = [shape[owned.sharded_dim] for shape in block_shapes]
-            returned = torch.cat(
-                [piece.reshape(-1) for piece in ortho.split(rows, dim=owned.sharded_dim)]
-            )
-        back = first.new_empty(sum(sent_sizes))
-        dist.all_to_all_single(back, returned, sent_sizes, received_sizes, group=process_group)
-        for i, block in zip(batch, back.split(sent_sizes), strict=False):
-            results[indices[i]] = block.view(matrices[i].update.shape)
+        del received, blocks
+        ortho = newton_schulz(whole, parts=owned.parts, **ns)
+        del whole
+        rows = [shape[owned.sharded_dim] for shape in block_shapes]
+        returned = torch.cat(
+            [piece.reshape(-1) for piece in ortho.split(rows, dim=owned.sharded_dim)]
+        )
+        del ortho
+    back = first.new_empty(sum(sent_sizes))
+    dist.all_to_all_single(back, returned, sent_sizes, received_sizes, group=process_group)
+    blocks = back.split(sent_sizes)[: len(matrices)]
+    return [block.view(m.update.shape) for block, m in zip(blocks, matrices, strict=True)]
 
 
 def _block_shapes(matrix: _Matrix, world_size: int, rank: int) -> list[tuple[int, ...]]:
