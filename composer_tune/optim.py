@@ -349,7 +349,7 @@ class Muon(torch.optim.Optimizer):
         buffer = _local(state["momentum_buffer"])
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        return update.to(_ns_dtype(group["ns_dtype"], param.device))
+        return update.to(newton_schulz_dtype(group["ns_dtype"], param.device))
 
     def _apply(self, param: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
         """Decoupled weight decay, then the orthogonalised update at the matrix's rate."""
@@ -360,7 +360,8 @@ class Muon(torch.optim.Optimizer):
         local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
 
 
-def _ns_dtype(name: str, device: torch.device) -> torch.dtype:
+def newton_schulz_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype ``ns_dtype=name`` runs the iteration in on ``device``."""
     if name != "auto":
         return NS_DTYPES[name]
     from composer_tune.models.build import native_bf16

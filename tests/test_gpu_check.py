@@ -22,7 +22,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
-PARTS = ("parity", "memory", "speed", "sampling", "peer")
+PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon")
 
 
 def _load(path: Path) -> ModuleType:
@@ -122,6 +122,13 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
         ratios = [row["ratio"] for row in peer["rows"] if row.get("ratio") is not None]
         assert len(ratios) == 2 and all(ratio > 0 for ratio in ratios)
 
+    muon = parts["muon"]
+    assert muon["status"] == "PASS"  # the equality row is judged everywhere; timings are INFO
+    adamw_row, muon_row, equal_row = muon["rows"]
+    assert adamw_row["step_s"] > 0 and muon_row["step_s"] > 0
+    assert muon_row["ratio"] == pytest.approx(muon_row["step_s"] / adamw_row["step_s"])
+    assert equal_row["status"] == "PASS" and equal_row["max_abs_diff"] <= 1e-6
+
     markdown = (out / "report.md").read_text()
     for name in PARTS:
         assert f"\n## {name}\n" in markdown
@@ -157,7 +164,7 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
     assert all(row["ours_vs_fp32"] > row["tolerance"] for row in broken_rows)
     # The other parts' sections are kept, and the Markdown is regenerated from all of them.
     earlier = _report(out)["parts"]
-    assert all(parts[name] == earlier[name] for name in ("memory", "speed", "sampling", "peer"))
+    assert all(parts[name] == earlier[name] for name in PARTS if name != "parity")
     markdown = (tmp_path / "report.md").read_text()
     assert "| parity | FAIL |" in markdown and "\n## memory\n" in markdown
 
