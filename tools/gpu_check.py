@@ -1298,17 +1298,11 @@ def muon_layers(settings: Settings) -> int:
     """Qwen3-8B layers whose parameters, gradients and one optimizer's state fit 70 % of the
     card (the rest: Newton-Schulz temporaries, the allocator); all 36 when its size is unknown."""
     from composer_tune.analysis import memory
-    from composer_tune.models import qwen3_8b
 
-    with torch.device("meta"):
-        full = qwen3_8b().config
-    capacity = settings.device_gib()
-    for layers in range(full.num_layers, 0, -1):
-        args = dataclasses.replace(full, num_layers=layers)
-        needed = MUON_BYTES_PER_PARAM * memory.count_params(args) / GIB
-        if capacity is None or needed <= 0.7 * capacity:
-            return layers
-    raise RuntimeError(f"not even one Qwen3-8B layer fits {capacity:.1f} GiB")
+    def fits(args: Any, capacity: float) -> bool:
+        return MUON_BYTES_PER_PARAM * memory.count_params(args) / GIB <= 0.7 * capacity
+
+    return _fitting_qwen3_8b(settings, 4096, fits).num_layers
 
 
 def _muon_equals_torch(settings: Settings) -> dict[str, Any]:
