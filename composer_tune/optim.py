@@ -318,7 +318,7 @@ class Muon(torch.optim.Optimizer):
         sharded: dict[Any, list[torch.Tensor]] = {}
         for param in params:
             if self._sharded_dims[param] is None:
-                update = self._update(param, group)
+                update = self._update(param, group, param.device)
                 self._apply(param, newton_schulz(update, parts=self._parts[param], **ns), group)
                 del update  # before the next matrix's: one matrix's temporaries at a time
             else:
@@ -326,10 +326,11 @@ class Muon(torch.optim.Optimizer):
         for mesh, members in sharded.items():
             process_group = mesh.get_group()
             world_size = dist.get_world_size(process_group)
+            device = _exchange_device(process_group, members[0].device)
             members.sort(key=lambda param: -param.numel())  # stable: the same order on every rank
             for start in range(0, len(members), world_size):
                 matrices = [
-                    _Matrix(param, self._update(param, group), self._parts[param],
+                    _Matrix(param, self._update(param, group, device), self._parts[param],
                             self._sharded_dims[param])
                     for param in members[start : start + world_size]
                 ]  # fmt: skip
@@ -338,9 +339,11 @@ class Muon(torch.optim.Optimizer):
                     self._apply(matrix.param, ortho, group)
                 del matrices, blocks, ortho  # before the next round's: one round at a time
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """The momentum step (in fp32) and the update to orthogonalise, in the Newton-Schulz
-        dtype: this rank's block of it."""
+    def _update(
+        self, param: torch.Tensor, group: dict[str, Any], device: torch.device
+    ) -> torch.Tensor:
+        """The momentum step (fp32, where the state lives) and the update to orthogonalise:
+        this rank's block of it, on ``device`` in the Newton-Schulz dtype."""
         momentum = group["momentum"]
         state = self.state[param]
         if "momentum_buffer" not in state:
@@ -349,7 +352,7 @@ class Muon(torch.optim.Optimizer):
         buffer = _local(state["momentum_buffer"])
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        return update.to(newton_schulz_dtype(group["ns_dtype"], param.device))
+        return update.to(device, newton_schulz_dtype(group["ns_dtype"], device))
 
     def _apply(self, param: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
         """Decoupled weight decay, then the orthogonalised update at the matrix's rate."""
@@ -357,7 +360,17 @@ class Muon(torch.optim.Optimizer):
         rows, cols = param.shape[-2] // self._parts[param], param.shape[-1]
         local = _local(param)
         local.mul_(1 - lr * group["weight_decay"])
-        local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+        delta = ortho.to(local.device)  # from the GPU when the state is offloaded to the host
+        local.add_(delta, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+
+def _exchange_device(process_group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where a round's blocks travel and its Newton-Schulz runs: the parameters' device, but
+    this rank's GPU for parameters FSDP2 offloads to the host under NCCL (which moves CUDA
+    tensors only): the iteration runs there too, not on the host."""
+    if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def newton_schulz_dtype(name: str, device: torch.device) -> torch.dtype:
