@@ -13,10 +13,10 @@ orthogonalising the matrix. The step therefore sends whole matrices to owners: m
 ordered by size and dealt round-robin, ``world_size`` at a time; in each round one
 ``all_to_all`` sends every rank's block of matrix ``k`` to rank ``k``, which assembles the
 matrix, runs Newton-Schulz and sends each rank its block of the result with a second
-``all_to_all``. Each rank receives and sends about ``1/world_size`` of the matrices' elements
-per step in the Newton-Schulz dtype (bf16 where the device multiplies it natively), where
-gathering every matrix on every rank would move all of them and repeat every orthogonalisation
-``world_size`` times. A stacked mixture-of-experts weight ``[experts, out, in]`` is
+``all_to_all``. Each rank sends (and receives) about ``2 / world_size`` of the matrices'
+elements per step in the Newton-Schulz dtype (bf16 where the device multiplies it natively),
+where gathering every matrix on every rank would bring each rank all of them and repeat every
+orthogonalisation ``world_size`` times. A stacked mixture-of-experts weight ``[experts, out, in]`` is
 orthogonalised one expert at a time; FSDP2 shards it on the expert dimension, so each rank
 holds whole experts and needs no communication. A fused matrix (``gate_up_proj``: the gate's
 rows above the up projection's) is orthogonalised as its parts.
