@@ -8,6 +8,7 @@ the next part still runs; a missing package is a skip that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -219,6 +220,28 @@ def test_a_dry_run_without_out_dir_leaves_the_committed_report_alone(
         assert {path: path.read_bytes() for path in committed} == committed
     finally:
         shutil.rmtree(written.parent)
+
+
+def test_muon_part_sizes_qwen3_8b_to_the_card(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights, gradients and one optimizer's state (8 bytes a parameter) within 70 % of the
+    card: all 36 layers on an H200, fewer on an H100."""
+    from composer_tune.analysis import memory
+    from composer_tune.models import qwen3_8b
+
+    with torch.device("meta"):
+        full = qwen3_8b().config
+    layers = {}
+    for capacity in (79.2, 139.8):
+        monkeypatch.setattr(gpu_check.Settings, "device_gib", lambda self, c=capacity: c)
+        settings = gpu_check.Settings(torch.device("cpu"), False, None, None)
+        layers[capacity] = gpu_check.muon_layers(settings)
+        args = dataclasses.replace(full, num_layers=layers[capacity])
+        assert 8 * memory.count_params(args) / 2**30 <= 0.7 * capacity
+    assert layers[139.8] == 36 and 0 < layers[79.2] < 36
+    more = dataclasses.replace(full, num_layers=layers[79.2] + 1)
+    assert 8 * memory.count_params(more) / 2**30 > 0.7 * 79.2
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(gpu_check: ModuleType, capsys) -> None:
