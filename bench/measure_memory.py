@@ -307,9 +307,11 @@ def prepare_step(
     device: torch.device,
     sharded: bool = False,
     data_seed: int = 0,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
 ) -> TrainingStep:
-    """Build the model (FSDP2-sharded when ``sharded``), AdamW and a random batch the way the
-    recipes do, and take one warm-up step so the optimizer states exist."""
+    """Build the model (FSDP2-sharded when ``sharded``), the optimizer (``make_optimizer``;
+    default AdamW) and a random batch the way the recipes do, and take one warm-up step so the
+    optimizer states exist."""
     from torchtune import training
     from torchtune.modules import TransformerSelfAttentionLayer
 
@@ -326,7 +328,10 @@ def prepare_step(
         )
     if sharded:
         shard_decoder(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if make_optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        optimizer = make_optimizer(model)
     generator = torch.Generator().manual_seed(data_seed)
     tokens = torch.randint(0, shape.vocab_size, (batch_size, seq_len), generator=generator)
     tokens = tokens.to(device)
@@ -341,7 +346,7 @@ def prepare_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    forward_backward()  # warm-up step: AdamW states exist from here on
+    forward_backward()  # warm-up step: the optimizer's states exist from here on
     optimizer_step()
     return TrainingStep(model, optimizer, [tokens, targets], forward_backward, optimizer_step)
 

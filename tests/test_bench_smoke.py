@@ -109,6 +109,19 @@ def test_cpu_attention_bench_times_both_dtypes_for_every_pass_and_mask() -> None
     assert all(float(ratio) > 0 for *_, ratio in rows)
 
 
+def test_muon_step_bench_times_both_optimizers() -> None:
+    out = _run("bench_muon_step.py", "--tiny", "--layers", "2", "--vocab", "128", "--repeats", "1")
+    adamw = re.search(r"^\| torch\.optim\.AdamW \| ([\d.]+) \|", out, re.M)
+    muon = re.search(
+        r"^\| composer_tune\.optim\.Muon \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|", out, re.M
+    )
+    assert adamw and muon, out
+    assert float(muon.group(2)) == pytest.approx(
+        float(muon.group(1)) / float(adamw.group(1)), rel=0.02
+    )
+    assert "0.1M parameters (0.1M on Muon)" in out
+
+
 def test_grpo_sweep_table_and_plot_cover_every_point(tmp_path: Path) -> None:
     from bench import bench_grpo_vs_trl as bench
 

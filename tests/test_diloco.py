@@ -77,10 +77,11 @@ def reference_diloco(
     delay: int = 0,
     alpha: float = 0.0,
     seed: int = 0,
+    make_inner: Callable[[nn.Module], torch.optim.Optimizer] = worker.make_inner_optimizer,
 ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Global weights after each fragment sync, and each sync's averaged pseudo-gradient norm."""
     replicas = [worker.build_model(seed) for _ in range(num_replicas)]
-    inner = [worker.make_inner_optimizer(model) for model in replicas]
+    inner = [make_inner(model) for model in replicas]
     local = [dict(model.named_parameters()) for model in replicas]
     global_params = dict(worker.build_model(seed).named_parameters())
     outer = [
@@ -290,10 +291,14 @@ def _run_inner_steps(trainer: DiLoCoTrainer, start: int, count: int, seed: int =
 
 
 def _single_replica(
-    lighthouse: str, seed: int = 0, with_scheduler: bool = False, **overrides: Any
+    lighthouse: str,
+    seed: int = 0,
+    with_scheduler: bool = False,
+    make_inner: Callable[[nn.Module], torch.optim.Optimizer] = worker.make_inner_optimizer,
+    **overrides: Any,
 ) -> DiLoCoTrainer:
     model = worker.build_model(seed)
-    optimizer = worker.make_inner_optimizer(model)
+    optimizer = make_inner(model)
     scheduler = (
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
         if with_scheduler
@@ -360,6 +365,35 @@ def test_streaming_outer_step_matches_reference(
         assert m.payload_bytes == fragment_bytes[m.fragment]
         assert m.bytes_sent == 0.0  # alone in the quorum: a ring all-reduce sends nothing
         assert m.comm_reduction == pytest.approx(2 * model_bytes / fragment_bytes[m.fragment])
+
+
+def _muon_inner(model: nn.Module) -> torch.optim.Optimizer:
+    from composer_tune.optim import Muon
+
+    return Muon(model.named_parameters(), lr=worker.INNER_LR, ns_dtype="fp32")
+
+
+def test_muon_as_the_inner_optimizer_matches_reference(
+    one_thread: None, lighthouse: Callable[[], str]
+) -> None:
+    """``optimizer._component_=composer_tune.optim.Muon`` in recipes/diloco.py makes Muon the
+    inner optimizer (the recipe's optimizer is DiLoCo's inner one): the outer steps on its
+    pseudo-gradients equal the reference's with the same inner Muon, and differ from AdamW's."""
+    trainer = _single_replica(lighthouse(), sync_every=2, make_inner=_muon_inner)
+    fragments = trainer.fragment_parameter_names()
+    expected, norms = reference_diloco(
+        num_replicas=1, outer_steps=2, sync_every=2, fragments=fragments, make_inner=_muon_inner
+    )
+    with trainer:
+        synced = _run_inner_steps(trainer, 0, 4)
+        final = trainer.global_parameters()
+    assert [m.outer_step for m in synced] == [1, 2]
+    torch.testing.assert_close(final, expected[-1], rtol=1e-6, atol=1e-7)
+    assert [m.pseudo_grad_norm for m in synced] == pytest.approx(norms, rel=1e-6)
+    with_adamw, _ = reference_diloco(
+        num_replicas=1, outer_steps=2, sync_every=2, fragments=fragments
+    )
+    assert max((final[n] - with_adamw[-1][n]).abs().max() for n in final) > 1e-3
 
 
 def test_resume_from_state_dict_continues_exactly(

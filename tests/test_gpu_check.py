@@ -8,6 +8,7 @@ the next part still runs; a missing package is a skip that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
-PARTS = ("parity", "memory", "speed", "sampling", "peer")
+PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon")
 
 
 def _load(path: Path) -> ModuleType:
@@ -122,6 +123,13 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
         ratios = [row["ratio"] for row in peer["rows"] if row.get("ratio") is not None]
         assert len(ratios) == 2 and all(ratio > 0 for ratio in ratios)
 
+    muon = parts["muon"]
+    assert muon["status"] == "PASS"  # the equality row is judged everywhere; timings are INFO
+    adamw_row, muon_row, equal_row = muon["rows"]
+    assert adamw_row["step_s"] > 0 and muon_row["step_s"] > 0
+    assert muon_row["ratio"] == pytest.approx(muon_row["step_s"] / adamw_row["step_s"])
+    assert equal_row["status"] == "PASS" and equal_row["max_abs_diff"] <= 1e-6
+
     markdown = (out / "report.md").read_text()
     for name in PARTS:
         assert f"\n## {name}\n" in markdown
@@ -157,7 +165,7 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
     assert all(row["ours_vs_fp32"] > row["tolerance"] for row in broken_rows)
     # The other parts' sections are kept, and the Markdown is regenerated from all of them.
     earlier = _report(out)["parts"]
-    assert all(parts[name] == earlier[name] for name in ("memory", "speed", "sampling", "peer"))
+    assert all(parts[name] == earlier[name] for name in PARTS if name != "parity")
     markdown = (tmp_path / "report.md").read_text()
     assert "| parity | FAIL |" in markdown and "\n## memory\n" in markdown
 
@@ -212,6 +220,28 @@ def test_a_dry_run_without_out_dir_leaves_the_committed_report_alone(
         assert {path: path.read_bytes() for path in committed} == committed
     finally:
         shutil.rmtree(written.parent)
+
+
+def test_muon_part_sizes_qwen3_8b_to_the_card(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights, gradients and one optimizer's state (8 bytes a parameter) within 70 % of the
+    card: all 36 layers on an H200, fewer on an H100."""
+    from composer_tune.analysis import memory
+    from composer_tune.models import qwen3_8b
+
+    with torch.device("meta"):
+        full = qwen3_8b().config
+    layers = {}
+    for capacity in (79.2, 139.8):
+        monkeypatch.setattr(gpu_check.Settings, "device_gib", lambda self, c=capacity: c)
+        settings = gpu_check.Settings(torch.device("cpu"), False, None, None)
+        layers[capacity] = gpu_check.muon_layers(settings)
+        args = dataclasses.replace(full, num_layers=layers[capacity])
+        assert 8 * memory.count_params(args) / 2**30 <= 0.7 * capacity
+    assert layers[139.8] == 36 and 0 < layers[79.2] < 36
+    more = dataclasses.replace(full, num_layers=layers[79.2] + 1)
+    assert 8 * memory.count_params(more) / 2**30 > 0.7 * 79.2
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(gpu_check: ModuleType, capsys) -> None:

@@ -182,13 +182,19 @@ def test_every_objective_runs(sft_warm_start: RecipeRun, tmp_path: Path) -> None
             assert "kl" not in logged[1], name  # no reference model without beta
 
 
-def test_kill_and_resume_logs_the_same_metrics(sft_warm_start: RecipeRun, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "optimizer", ["torch.optim.AdamW", "composer_tune.optim.Muon"], ids=["adamw", "muon"]
+)
+def test_kill_and_resume_logs_the_same_metrics(
+    sft_warm_start: RecipeRun, tmp_path: Path, optimizer: str
+) -> None:
     common = [
         _warm_start(sft_warm_start),
         *QUICK,
         "max_steps=4",
         "eval_every_n_steps=3",
         "checkpoint.save_every_n_steps=2",
+        f"optimizer._component_={optimizer}",
         "optimizer.lr=1e-3",
     ]
     straight = run_recipe("grpo", "cpu_smoke", tmp_path / "straight", *common)

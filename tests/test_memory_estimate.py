@@ -10,6 +10,7 @@ what ComposerChannels, which the RL recipes ask, says for every shipped RL confi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -231,21 +232,31 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_estimate_within_tolerance_of_measured_peak(
-    one_thread: None, activation_checkpointing: bool
-) -> None:
+MEASURED_SHAPE = DecoderArgs(
+    vocab_size=4096,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    embed_dim=256,
+    intermediate_dim=768,
+    head_dim=64,
+    max_seq_len=256,
+)
+
+
+def _measured_step(
+    shape: DecoderArgs, activation_checkpointing: bool, muon: bool
+) -> tuple[dict, dict, memory.MemoryEstimate, torch.optim.Optimizer]:
+    """One fp32 training step of ``shape`` on this CPU, measured (bench/measure_memory.py's
+    method), and estimated: (comparison, measurement, estimate, the step's optimizer)."""
     bench = _load_bench()
-    shape = DecoderArgs(
-        vocab_size=4096,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=256,
-        intermediate_dim=768,
-        head_dim=64,
-        max_seq_len=256,
-    )
+
+    def make_muon(model: torch.nn.Module) -> torch.optim.Optimizer:
+        from composer_tune.optim import Muon
+
+        # fp32 Newton-Schulz: the dtype an fp32 plan assumes, whatever this CPU multiplies.
+        return Muon(model.named_parameters(), lr=1e-4, ns_dtype="fp32", foreach=False)
+
     step = bench.prepare_step(
         shape,
         dtype=torch.float32,
@@ -254,6 +265,7 @@ def test_estimate_within_tolerance_of_measured_peak(
         seq_len=256,
         chunk_size=256,
         device=torch.device("cpu"),
+        make_optimizer=make_muon if muon else None,
     )
     measured = bench.measure_step(
         step.model, step.optimizer, step.forward_backward, step.optimizer_step, step.inputs
@@ -265,12 +277,39 @@ def test_estimate_within_tolerance_of_measured_peak(
         activation_checkpointing=activation_checkpointing,
         logprob_chunk_size=256,
         optimizer_impl="for-loop",
+        muon=muon,
     )
-    result = bench.compare(memory.estimate_memory(shape, plan), measured)
+    estimate = memory.estimate_memory(shape, plan)
+    return bench.compare(estimate, measured), measured, estimate, step.optimizer
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_estimate_within_tolerance_of_measured_peak(
+    one_thread: None, activation_checkpointing: bool
+) -> None:
+    result, measured, _, _ = _measured_step(MEASURED_SHAPE, activation_checkpointing, muon=False)
     # The step itself allocates tens of MB: the check is about activations, not a param count.
     assert result["got_peak"] - measured["before_step"] > 20 * 2**20
     assert PEAK_BOUNDS[0] < result["peak_error"] < PEAK_BOUNDS[1], result
     assert GROWTH_BOUNDS[0] < result["growth_error"] < GROWTH_BOUNDS[1], result
+    assert result["est_opt"] == pytest.approx(result["got_opt"], rel=0.02)
+
+
+def test_muon_state_and_step_match_measured(one_thread: None) -> None:
+    """Muon's state is one fp32 buffer per layer matrix and AdamW's two on the rest, byte for
+    byte; its optimizer step's peak as measured. A small vocabulary, so that Muon's
+    Newton-Schulz temporaries, not AdamW's (its largest parameter's), set that peak."""
+    shape = dataclasses.replace(MEASURED_SHAPE, vocab_size=512, intermediate_dim=1536)
+    assert memory.muon_step_temporary(shape, 1, 4) > 2 * 512 * 256 * 4
+    result, _, estimate, optimizer = _measured_step(shape, False, muon=True)
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+    )
+    scalar_steps = 4 * sum("step" in s for s in optimizer.state.values())  # AdamW's counters
+    assert estimate.component(memory.OPTIMIZER).nbytes == state_bytes - scalar_steps
+    adamw = memory.estimate_memory(shape, dataclasses.replace(estimate.plan, muon=False))
+    matrices = memory.sharded_matrix_numel(shape, 1)
+    assert adamw.component(memory.OPTIMIZER).nbytes - state_bytes + scalar_steps == 4 * matrices
     assert result["est_opt"] == pytest.approx(result["got_opt"], rel=0.02)
 
 
@@ -347,6 +386,29 @@ def test_plan_from_config_sdpo_ema_teacher_and_offload() -> None:
     assert memory.plan_from_config(cfg, world_size=1).plan.ema_teacher
     cfg.sdpo.teacher = "current"
     assert not memory.plan_from_config(cfg).plan.ema_teacher
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_plan_from_config_reads_muon_and_its_state(master_weights: bool) -> None:
+    """``optimizer._component_=composer_tune.optim.Muon`` on the 8B GRPO config at 8 ranks:
+    the layer matrices (most of 8B) keep one fp32 buffer instead of AdamW's two states: half
+    the bytes with fp32 master weights, the same as two bf16 states without."""
+    from composer_tune.config import load_recipe_config
+
+    def estimate(*overrides: str) -> memory.MemoryEstimate:
+        cfg = load_recipe_config(REPO_ROOT / "recipes/grpo.py", "qwen3_7b", overrides)
+        planned = memory.plan_from_config(cfg, world_size=8, master_weights=master_weights)
+        return memory.estimate_memory(planned.args, planned.plan)
+
+    adamw = estimate()
+    muon = estimate("optimizer._component_=composer_tune.optim.Muon")
+    assert muon.plan.muon and not adamw.plan.muon
+    assert muon.plan.optimizer_states == adamw.plan.optimizer_states == 2
+    matrices = memory.sharded_matrix_numel(adamw.args, 8)
+    saved = adamw.component(memory.OPTIMIZER).nbytes - muon.component(memory.OPTIMIZER).nbytes
+    state = memory.dtype_bytes(adamw.plan.optimizer_state_dtype or adamw.plan.storage_dtype)
+    assert saved == matrices * (2 * state - 4) == (4 * matrices if master_weights else 0)
+    assert matrices > 0.8 * memory.sharded_param_numel(adamw.args, 8)
 
 
 def test_a_vllm_engine_holds_its_share_instead_of_the_native_rollout() -> None:

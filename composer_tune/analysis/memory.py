@@ -130,6 +130,12 @@ def count_matmul_params(args: DecoderArgs) -> int:
     return count_params(args) - embedding
 
 
+def sharded_matrix_numel(args: DecoderArgs, world_size: int) -> int:
+    """Elements of the decoder layers' weight matrices one rank holds under FSDP2: Muon's."""
+    layer = sum(shard_numel(s, world_size) for s in layer_param_shapes(args) if len(s) == 2)
+    return args.num_layers * layer
+
+
 def sharded_param_numel(args: DecoderArgs, world_size: int) -> int:
     """Elements of all parameters one rank holds under FSDP2 (padding included)."""
     layer = sum(shard_numel(s, world_size) for s in layer_param_shapes(args))
@@ -204,6 +210,9 @@ class MemoryPlan:
             ``param_dtype`` (torchtune's default).
         grad_dtype: dtype of the stored gradients; None: that of the stored parameters.
         optimizer_states: state tensors per parameter (AdamW: 2, SGD with momentum: 1).
+        muon: the decoder layers' weight matrices step with ``composer_tune.optim.Muon``: one
+            fp32 momentum buffer each instead of ``optimizer_states``, and Newton-Schulz
+            temporaries in the step; the other parameters keep ``optimizer_states`` (AdamW's).
         optimizer_state_dtype: None: that of the stored parameters (``torch.optim.AdamW``
             allocates states with ``zeros_like(param)``).
         optimizer_impl: how ``torch.optim.AdamW`` runs its step: "foreach" (the default on
@@ -239,6 +248,7 @@ class MemoryPlan:
     master_weights: bool = False
     grad_dtype: str | None = None
     optimizer_states: int = 2
+    muon: bool = False
     optimizer_state_dtype: str | None = None
     optimizer_impl: str = "foreach"
     activation_checkpointing: bool = True
@@ -397,13 +407,18 @@ def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
     if plan.gradient_accumulation_steps > 1:
         grad_phases = training
     add(Component(GRADS, local_numel * grad, grad_phases, offload))
+    # Muon's matrices keep one fp32 momentum buffer; the rest (all, without Muon) AdamW's states.
+    muon_numel = sharded_matrix_numel(args, w) if plan.muon else 0
+    state_detail = f"{plan.optimizer_states} x {plan.optimizer_state_dtype or plan.storage_dtype}"
+    if plan.muon:
+        state_detail = f"matrices 1 x fp32 (Muon), the rest {state_detail}"
     add(
         Component(
             OPTIMIZER,
-            plan.optimizer_states * local_numel * state,
+            plan.optimizer_states * (local_numel - muon_numel) * state + muon_numel * 4,
             everywhere,
             offload,
-            f"{plan.optimizer_states} x {plan.optimizer_state_dtype or plan.storage_dtype}",
+            state_detail,
         )
     )
     if plan.reference_model:
@@ -467,14 +482,23 @@ def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
         )
     )
 
+    adamw_shapes = layer_param_shapes(args) + root_param_shapes(args)
+    if plan.muon:
+        adamw_shapes = [s for s in layer_param_shapes(args) if len(s) != 2] + root_param_shapes(
+            args
+        )
     if plan.optimizer_impl == "foreach":
-        step_temp = local_numel * state
+        step_temp = (local_numel - muon_numel) * state
     elif plan.optimizer_impl == "for-loop":
-        largest = max(shard_numel(s, w) for s in layer_param_shapes(args) + root_param_shapes(args))
+        largest = max(shard_numel(s, w) for s in adamw_shapes)
         step_temp = 2 * largest * state  # sqrt, then the division's result
     else:
         step_temp = 0
-    add(Component(OPTIMIZER_TEMP, step_temp, (OPTIMIZER_STEP,), offload))
+    detail = ""
+    if plan.muon:  # Muon's matrices step first, then AdamW's: the larger of the two
+        step_temp = max(step_temp, muon_step_temporary(args, w, e))
+        detail = "AdamW's or Muon's largest matrix, the larger"
+    add(Component(OPTIMIZER_TEMP, step_temp, (OPTIMIZER_STEP,), offload, detail))
 
     if plan.rollout_engine == "vllm":
         # vLLM reserves its share up front; asleep, it holds (almost) nothing while training.
@@ -484,6 +508,21 @@ def estimate_memory(args: DecoderArgs, plan: MemoryPlan) -> MemoryEstimate:
     elif plan.rollout_batch_size:
         _add_rollout(est, args, plan, e)
     return est
+
+
+def muon_step_temporary(args: DecoderArgs, world_size: int, ns_bytes: int) -> int:
+    """Bytes Muon's step (``composer_tune.optim``) holds at once beyond its state, at its
+    largest ``m x n`` layer matrix (``m <= n``), in the Newton-Schulz dtype (``ns_bytes``:
+    bf16 where the device multiplies it, for which a bf16 ``param_dtype`` stands): the update,
+    the iteration's ``x`` and the next ``x``, two ``m x m`` Gram products; sharded, also the
+    whole matrix its owner assembled from the round's blocks. Before that, the fp32 update of
+    this rank's block and its cast."""
+    shapes = [s for s in layer_param_shapes(args) if len(s) == 2]
+    rows, cols = max(shapes, key=_numel)
+    small = min(rows, cols)
+    matrices = 3 if world_size == 1 else 4
+    block = shard_numel((rows, cols), world_size)
+    return max((4 + ns_bytes) * block, ns_bytes * (matrices * rows * cols + 2 * small * small))
 
 
 def _add_rollout(est: MemoryEstimate, args: DecoderArgs, plan: MemoryPlan, e: int) -> None:
@@ -636,6 +675,7 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 _ADAM_LIKE = ("torch.optim.AdamW", "torch.optim.Adam")
+MUON = "composer_tune.optim.Muon"
 
 
 def _select(cfg: DictConfig, name: str) -> tuple[Any, str | None]:
@@ -648,9 +688,12 @@ def _select(cfg: DictConfig, name: str) -> tuple[Any, str | None]:
 
 
 def _optimizer(cfg: DictConfig, device: str, offload: bool) -> tuple[int, str, str]:
-    """(states per parameter, step implementation, where that came from)."""
+    """(states per parameter, step implementation, where that came from); with Muon, those of
+    the AdamW it keeps for the parameters that are not layer matrices."""
     component = OmegaConf.select(cfg, "optimizer._component_", default=None)
-    if component == "torch.optim.SGD":
+    if component == MUON:
+        states, source = 2, f"optimizer {component}: AdamW's 2 states off the matrices"
+    elif component == "torch.optim.SGD":
         states = 1 if OmegaConf.select(cfg, "optimizer.momentum", default=0) else 0
         source = "optimizer torch.optim.SGD"
     elif component in _ADAM_LIKE:
@@ -806,6 +849,8 @@ def plan_from_config(
     device = OmegaConf.select(cfg, "device", default=None) or schema_defaults["device"]
     states, impl, source = _optimizer(cfg, device, offload)
     take("optimizer_states", states, source)
+    muon = OmegaConf.select(cfg, "optimizer._component_", default=None) == MUON
+    take("muon", muon, "config optimizer._component_")
     take("optimizer_impl", impl, f"optimizer settings, device {device}")
     take("prefill_chunk", DEFAULT_PREFILL_CHUNK, "default: rollout.generation prefill chunk")
     # The model is the native decoder (model_args_from_config refuses others).

@@ -47,6 +47,7 @@ from composer_tune.distributed import DistInfo, all_reduce_sum, barrier, peak_me
 from composer_tune.evaluation import EvalResult, evaluate_heldout
 from composer_tune.guards import NonFiniteGuard
 from composer_tune.models.build import build_decoder
+from composer_tune.optim import optimizer_parameters
 from composer_tune.progress import progress_postfix
 from composer_tune.rewards.functions import RewardFunctions, build_reward
 from composer_tune.run.state import RunProgress
@@ -131,9 +132,10 @@ def build_model(
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> tuple[Any, Any]:
-    """``cfg.optimizer`` over the model's parameters and ``cfg.lr_scheduler`` (or None) over
-    ``cfg.max_steps`` steps."""
-    optimizer = config.instantiate(cfg.optimizer, model.parameters())
+    """``cfg.optimizer`` over the model's parameters (named, for an optimizer that splits them
+    by name: :func:`composer_tune.optim.optimizer_parameters`) and ``cfg.lr_scheduler`` (or
+    None) over ``cfg.max_steps`` steps."""
+    optimizer = config.instantiate(cfg.optimizer, optimizer_parameters(cfg.optimizer, model))
     lr_scheduler = (
         config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=cfg.max_steps)
         if cfg.lr_scheduler is not None
