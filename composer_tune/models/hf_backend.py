@@ -470,6 +470,8 @@ def _layer_types(hf_config: Any) -> tuple[list[str], dict[str, int]]:
             f"the transformers backend runs models whose layers are all "
             f"{' or '.join(SUPPORTED_LAYER_TYPES)}"
         )
+    if isinstance(layer_kwargs, dict):  # transformers < 5.19: one dict for every layer
+        layer_kwargs = [layer_kwargs] * len(layer_types)
     windows: dict[str, int] = {}
     for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True):
         if layer_type == "sliding_attention":
