@@ -92,7 +92,7 @@ def test_rules_validation_names_key_and_file(tmp_path):
         ("modes: [best_of]", "'modes' must be a non-empty list"),
         ("consensus_threshold: 0.3\ndisagreement_threshold: 0.5", "must not exceed"),
         ("min_teachers: 0", "'min_teachers' must be an integer >= 1"),
-        ("text_match: exact", "'text_match' must be one of ['tokens', 'final_answer']"),
+        ("text_match: exact", "'text_match' must be one of ['tokens', 'final_answer', 'verified']"),
     ]:
         path.write_text(text)
         with pytest.raises(PairRulesError, match=r".*") as error:

@@ -440,3 +440,22 @@ def test_resume_is_exact_on_the_transformers_backend(with_tokenizer, tmp_path: P
     assert any(not torch.equal(whole[k], start[k]) for k in whole)  # it trained
     for name in whole:
         assert torch.equal(whole[name], parts[name]), name
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["transformers_5_19", "transformers_5_17"])
+def test_layer_types_read_either_shape_of_transformers_layer_kwargs(monkeypatch, per_layer):
+    """transformers 5.19 returns one kwargs dict per layer, 5.17 (the GPU image's) one dict for
+    every layer: the sliding window is read from both."""
+    import transformers.cache_utils
+
+    from composer_tune.models.hf_backend import _layer_types
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    kwargs = (
+        [{"sliding_window": 8}, {}, {"sliding_window": 8}] if per_layer else {"sliding_window": 8}
+    )
+    monkeypatch.setattr(
+        transformers.cache_utils, "get_layer_types_and_kwargs", lambda config: (types, kwargs)
+    )
+    config = transformers.MistralConfig(**{**_SHAPE, "num_hidden_layers": 3})
+    assert _layer_types(config) == (types, {"sliding_attention": 8})
