@@ -1,19 +1,27 @@
 """torchrun worker of tests/test_vllm_engine.py: the vLLM engine beside an FSDP2-sharded policy
 on 2 gloo ranks, one engine per rank (``tensor_parallel_size`` 1) or one shared by both (2).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/_vllm_torchrun_worker.py OUT TP
+    python -m torch.distributed.run --nproc_per_node 2 tests/_vllm_torchrun_worker.py OUT TP [MEET]
 
 Each rank samples its own prompts (rank 1's are longer and more), and writes to OUT/rank<r>.json
 whether greedy decoding equalled an unsharded copy's native decoding, and the largest gap
 between the engine's and the sharded trainer's log-probs before and after the trainer's weights
 change and are pushed (and, as a control, after they change without a push).
+
+With MEET, a folder shared with another launch of this worker, rank 0 waits there until both
+launches' engines have started, records the shared-memory segments of vLLM's CPU tensor
+parallelism it has mapped (``shm_segments``), and waits until both have recorded them before
+going on: the two engines live at once.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +53,18 @@ def _gap(engine: VLLMEngine, model: torch.nn.Module, prompts: list[list[int]], s
     return float((trainer - sampler).abs().max())
 
 
-def main(out_dir: Path, tensor_parallel_size: int) -> None:
+def _meet(folder: Path, stage: str) -> None:
+    """Announces ``stage`` for this launch in ``folder`` and waits until the other launch has
+    announced it too (generous: two launches share the machine with whatever else runs)."""
+    (folder / f"{stage}_{os.environ['MASTER_PORT']}").touch()
+    deadline = time.monotonic() + 600
+    while len(list(folder.glob(f"{stage}_*"))) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other launch did not reach {stage!r} within 600 s")
+        time.sleep(0.1)
+
+
+def main(out_dir: Path, tensor_parallel_size: int, meet: Path | None) -> None:
     dist_info = setup_distributed("cpu")
     section = OmegaConf.load(REPO_ROOT / "recipes" / "configs" / "grpo" / "cpu_smoke.yaml").model
     torch.manual_seed(0)
@@ -59,6 +78,12 @@ def main(out_dir: Path, tensor_parallel_size: int) -> None:
         run_dtype="fp32",
         seed=0,
     )
+    segments = None
+    if meet is not None and dist_info.rank == 0:
+        _meet(meet, "started")
+        maps = Path("/proc/self/maps").read_text()
+        segments = sorted(set(re.findall(r"/dev/shm/(\S*cpushm\S*)", maps)))
+        _meet(meet, "recorded")
     if dist_info.rank == 0:
         prompts = [[5, 9, 33, 100], [7, 8]]
     else:
@@ -69,6 +94,7 @@ def main(out_dir: Path, tensor_parallel_size: int) -> None:
         "rows": len(greedy.completions),
         "greedy_equal": greedy.completions == native.completions,
         "gap_at_start": _gap(engine, policy, prompts, seed=1),
+        "shm_segments": segments,
     }
     with torch.no_grad():
         for parameter in policy.parameters():
@@ -82,4 +108,5 @@ def main(out_dir: Path, tensor_parallel_size: int) -> None:
 
 
 if __name__ == "__main__":
-    finish_process(lambda: main(Path(sys.argv[1]), int(sys.argv[2])))
+    meet_folder = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+    finish_process(lambda: main(Path(sys.argv[1]), int(sys.argv[2]), meet_folder))

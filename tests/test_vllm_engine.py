@@ -267,29 +267,68 @@ def test_an_engine_that_cannot_start_says_why(model_kwargs, section, cause) -> N
         VLLMEngine(model, CPU, section, run_dtype="fp32", seed=0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["engine_per_rank", "shared_engine"])
-def test_under_torchrun_each_rank_samples_its_prompts_from_the_sharded_policy(
-    tmp_path: Path, tensor_parallel_size: int
-) -> None:
-    """2 gloo ranks, FSDP2-sharded policy; vLLM's external launcher on the trainer's group."""
+def _torchrun_worker(out_dir: Path, tensor_parallel_size: int, *meet: Path) -> subprocess.Popen:
+    """tests/_vllm_torchrun_worker.py on 2 gloo ranks, started (``meet``: the folder where it
+    meets another launch)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
         *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
         str(REPO_ROOT / "tests" / "_vllm_torchrun_worker.py"),
-        str(tmp_path),
-        str(tensor_parallel_size),
+        *(str(out_dir), str(tensor_parallel_size), *map(str, meet)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # Output to a file, not a pipe: a launch blocked on a full pipe would stall the other one.
+    with open(out_dir / "output.txt", "w") as output:
+        return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+
+def _sharded_policy_results(worker: subprocess.Popen, out_dir: Path) -> list[dict]:
+    """Each rank's result once the worker ended, checked: its own rows back, greedy as the
+    native engine, the engine on the sharded trainer's weights before and after a push."""
+    worker.wait(timeout=900)
+    assert worker.returncode == 0, (out_dir / "output.txt").read_text()[-5000:]
+    ranks = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [result["rows"] for result in ranks] == [2, 3]  # each rank gets its own rows back
     for result in ranks:
         assert result["greedy_equal"], result
         assert result["gap_at_start"] <= LOGPROB_TOLERANCE, result
         assert result["gap_without_push"] > 10 * LOGPROB_TOLERANCE, result
         assert result["gap_after_push"] <= LOGPROB_TOLERANCE, result
+    return ranks
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_samples_its_prompts_from_the_sharded_policy(
+    tmp_path: Path,
+) -> None:
+    """2 gloo ranks, FSDP2-sharded policy, one engine per rank; vLLM's external launcher on the
+    trainer's group."""
+    _sharded_policy_results(_torchrun_worker(tmp_path, 1), tmp_path)
+
+
+@pytest.mark.slow
+def test_two_launches_at_once_sample_from_their_own_shared_engines(tmp_path: Path) -> None:
+    """Two torchrun launches on this machine, each with one engine shared by its 2 ranks
+    (vLLM's CPU tensor parallelism, over shared memory), alive at the same time: each samples
+    its prompts from its own sharded policy, through shared-memory segments of its own although
+    both groups hold ranks [0, 1] (with vLLM's names, the same for both, the second launch
+    failed to start: "create shm in SHMManager failed. errno: 17")."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    outs = [tmp_path / "first", tmp_path / "second"]
+    workers = [_torchrun_worker(out, 2, meet) for out in outs]
+    try:
+        results = [
+            _sharded_policy_results(worker, out) for worker, out in zip(workers, outs, strict=True)
+        ]
+    finally:  # a launch that failed leaves the other waiting for it
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+                worker.wait(timeout=60)
+    first, second = (set(ranks[0]["shm_segments"]) for ranks in results)
+    assert first and second and not first & second, (first, second)
 
 
 class _Config:

@@ -7,8 +7,9 @@ tokenizer and chat template, and its reward (the hidden tests through the split 
 tool call (turn, name, arguments, observation, error) and the reward with its feedback are
 printed and written to --out as JSON.
 
---policy model samples from the config's model (the cpu_smoke configs' random toy model: it
-calls no tool and scores 0). --policy oracle replays a scripted agent instead of a model: it
+--policy model samples from the config's policy as a run of it starts (its warm start or
+checkpoint.initial_checkpoint; the cpu_smoke configs' random toy model: it calls no tool and
+scores 0). --policy oracle replays a scripted agent instead of a model: it
 lists the files, reads the damaged function, puts the removed code back with replace_in_file,
 runs the visible tests and answers; it scores 1 when the environment and the grader work.
 
@@ -35,13 +36,16 @@ sys.path.insert(0, str(REPO))
 
 from composer_tune.agents import build_agent  # noqa: E402
 from composer_tune.agents.episodes import EpisodeLimits, EpisodeRunner, score_episodes  # noqa: E402
+from composer_tune.checkpointing.warm_start import initial_checkpoint  # noqa: E402
 from composer_tune.config import ConfigError, instantiate, load_recipe_config  # noqa: E402
 from composer_tune.data.feature_tasks import (  # noqa: E402
     read_source_file,
     removed_code,
     task_from_sample,
 )
+from composer_tune.distributed import DistInfo  # noqa: E402
 from composer_tune.rollout.generation import GenerationOutput  # noqa: E402
+from composer_tune.run.loop import build_model  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +111,15 @@ class ScriptedSampler:
         )
 
 
+def _starting_policy(cfg: Any) -> torch.nn.Module:
+    """The config's policy as a run of it starts: from its warm start (trained first if
+    missing) or ``checkpoint.initial_checkpoint``, on this CPU; random weights only where the
+    config loads none (and its model has none to miss: ``check_weights_are_loaded``)."""
+    one = DistInfo(world_size=1, rank=0, device=torch.device("cpu"))
+    start = initial_checkpoint(cfg.get("warm_start"), cfg.checkpoint.initial_checkpoint, one)
+    return build_model(cfg, one, start, trainable=False)
+
+
 def run_episode(cfg: Any, task_id: str | None, policy: str, seed: int) -> dict[str, Any]:
     """One episode of ``cfg``'s agent on one task; its record, reward and feedback."""
     agent = build_agent(cfg.agent)
@@ -122,7 +135,7 @@ def run_episode(cfg: Any, task_id: str | None, policy: str, seed: int) -> dict[s
     reward = instantiate(cfg.reward)
     torch.manual_seed(seed)
     if policy == "model":
-        model = instantiate(cfg.model)
+        model = _starting_policy(cfg)
         episodes, results = agent.run(
             model,
             tokenizer,

@@ -15,8 +15,9 @@ Files are written beside their final names and renamed, so an interrupted run ke
 store.
 
 --check validates every stored task again instead (after a change to the grader, say): its
-hidden tests must all pass on the original and all fail on the agent's tree, through the split
-grader; it prints one line per task and exits 1 if any task fails.
+hidden tests must all pass on the original (graded once per repository, every task's tests
+together) and all fail on the agent's tree, through the split grader; it prints one line per
+task and exits 1 if any task fails.
 
 Examples:
     python tools/make_feature_tasks.py pypi:inflection==0.5.1 --store tests/assets/feature_tasks
@@ -28,7 +29,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -247,7 +247,9 @@ def make_repo(
 
 
 def check_store(store: Path, settings: GenerationSettings) -> int:
-    """Grade every stored task's original and agent trees; the number of tasks that fail."""
+    """Grade every stored task's hidden tests on its agent's tree (one run per task) and on the
+    original (one run per repository, every task's hidden tests together: the same original
+    tree for all); the number of tasks that fail."""
     tasks = load_feature_tasks(store)
     with tempfile.TemporaryDirectory(prefix="composer-featurecheck-") as scratch:
         scratch = Path(scratch)
@@ -257,31 +259,46 @@ def check_store(store: Path, settings: GenerationSettings) -> int:
                 tests_trees[task.repo] = scratch / "tests" / task.repo
                 materialize_tests_tree(store, task, tests_trees[task.repo])
 
+        def grade(tree: Path, task: FeatureTask, node_ids: Sequence[str]) -> dict[str, str]:
+            return grade_repository(
+                tree, tests_tree=tests_trees[task.repo], import_root=task.import_root,
+                packages=task.packages, node_ids=node_ids, limits=settings.grade_limits,
+            ).outcomes  # fmt: skip
+
+        def original(index_source: tuple[int, tuple]) -> dict[str, str]:
+            index, source = index_source
+            of_source = [task for task in tasks if _source(task) == source]
+            tree = scratch / f"original{index}"
+            extract_archive(archive_path(store, source[0]), tree, source[1])
+            every_test = sorted({node for task in of_source for node in task.hidden_tests})
+            return grade(tree, of_source[0], every_test)
+
         def check(index_task: tuple[int, FeatureTask]) -> str:
             index, task = index_task
-            original, agent = scratch / f"original{index}", scratch / f"agent{index}"
-            extract_archive(archive_path(store, task.repo), original, task.source_sha256)
+            agent = scratch / f"agent{index}"
             materialize_agent_tree(store, task, agent)
-            grade = functools.partial(
-                grade_repository,
-                tests_tree=tests_trees[task.repo],
-                import_root=task.import_root,
-                packages=task.packages,
-                node_ids=task.hidden_tests,
-                limits=settings.grade_limits,
-            )
-            passed, left = grade(original).passed, grade(agent).passed
+            outcomes = grade(agent, task, task.hidden_tests)
+            passed = sum(originals[_source(task)][node] == "passed" for node in task.hidden_tests)
+            left = sum(outcome == "passed" for outcome in outcomes.values())
             total = len(task.hidden_tests)
             verdict = "ok" if (passed, left) == (total, 0) else "FAILED"
             return f"{verdict} {task.id}: original {passed}/{total}, agent's tree {left}/{total}"
 
+        sources = list(dict.fromkeys(_source(task) for task in tasks))
         with ThreadPoolExecutor(max_workers=settings.workers) as pool:
+            originals = dict(zip(sources, pool.map(original, enumerate(sources)), strict=True))
             lines = list(pool.map(check, enumerate(tasks)))
     for line in lines:
         print(line)
     failed = sum(line.startswith("FAILED") for line in lines)
     print(f"{store}: {len(tasks) - failed} of {len(tasks)} tasks validate")
     return failed
+
+
+def _source(task: FeatureTask) -> tuple[str, str, str, tuple[str, ...]]:
+    """What a task's original tree and how it is graded depend on: its repository's archive
+    (name and digest), import root and packages."""
+    return (task.repo, task.source_sha256, task.import_root, tuple(task.packages))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -352,6 +352,15 @@ def checkpoint_tensors(
 # ----------------------------------------------------------------------------- load
 
 
+def holds_weights(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds weight files (safetensors, PyTorch or GGUF), rather than only
+    a ``config.json`` describing an architecture."""
+    directory = Path(directory)
+    return directory.is_dir() and any(
+        path.name.endswith(_WEIGHT_SUFFIXES) for path in directory.iterdir()
+    )
+
+
 def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     """Map each safetensors file to the keys the index assigns it (None: no index, take all)."""
     index_path = directory / INDEX_NAME

@@ -15,8 +15,8 @@ from omegaconf import MISSING
 
 @dataclass
 class CheckpointSection:
-    # HF-format directory (Llama, Qwen2 or Qwen3) to start from; null trains from random
-    # initialisation.
+    # HF-format directory to start from; null starts from random initialisation (refused where
+    # model.path holds weights, unless model.random_init: true).
     initial_checkpoint: str | None = None
     # Save an HF-format checkpoint (plus the training state for resume) every N steps; 0: only at the end.
     save_every_n_steps: int = 0

@@ -15,6 +15,7 @@ from torch import nn
 from torchtune import training
 
 from composer_tune import config
+from composer_tune.checkpointing.hf_checkpoint import holds_weights
 from composer_tune.checkpointing.run_state import (
     check_architecture,
     check_model_files,
@@ -39,13 +40,15 @@ def build_decoder(
     With a ``checkpoint`` (a ``model/`` folder of HF weights, or a run checkpoint) its files and
     architecture are checked first (a broken or mismatched checkpoint fails before any weight is
     read); the model is then built on the meta device, sharded, and loaded shard by shard, RoPE
-    caches (not in the state dict) rebuilt first. Without one it is randomly initialised on
+    caches (not in the state dict) rebuilt first. Without one (refused where the model's
+    ``path`` holds weights: :func:`check_weights_are_loaded`) it is randomly initialised on
     ``dist_info.device`` from ``seed`` on every rank: FSDP shards one model, so every rank must
     build the same one, whereas torchtune's ``set_seed`` offsets each rank's seed. The global RNG
     streams are left as they were. ``autocast`` (config key ``autocast``) runs forwards under
     :func:`enable_autocast`.
     """
     if checkpoint is None:
+        check_weights_are_loaded(model_cfg)
         with torch.random.fork_rng(), training.set_default_dtype(dtype), dist_info.device:
             torch.manual_seed(seed)
             model = config.instantiate(model_cfg)
@@ -65,6 +68,27 @@ def build_decoder(
     )
     enable_autocast(model, autocast, dist_info.device)
     return model
+
+
+def check_weights_are_loaded(model_cfg: Any) -> None:
+    """Refuses to build ``model_cfg`` with random weights by accident, for a run that loads no
+    checkpoint (no ``checkpoint.initial_checkpoint``, warm start or resumed checkpoint): where
+    its ``path`` holds weights the user meant them, unless ``random_init: true`` says otherwise.
+    A model without a ``path`` (a preset such as ``qwen3_tiny``) or whose ``path`` holds only a
+    ``config.json`` has no weights to miss.
+
+    Raises:
+        ValueError: naming the keys that load the weights or allow random ones.
+    """
+    path = model_cfg.get("path")
+    if path is None or model_cfg.get("random_init", False) or not holds_weights(path):
+        return
+    raise ValueError(
+        f"model.path {path} holds weights, but the run loads none (checkpoint."
+        "initial_checkpoint, warm_start and checkpoint.resume_from_checkpoint are unset) and "
+        f"would train random ones: set checkpoint.initial_checkpoint={path} to start from "
+        "them, or model.random_init=true to start from random weights"
+    )
 
 
 def load_pretrained(

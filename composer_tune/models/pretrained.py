@@ -19,6 +19,7 @@ def from_pretrained(
     backend: str = "auto",
     attn_implementation: str = "sdpa",
     router_aux_loss_coef: float | None = None,
+    random_init: bool = False,
 ) -> nn.Module:
     """The model that ``path/config.json`` describes, randomly initialised: the recipe loads
     the weights from ``checkpoint.initial_checkpoint`` (point it at the same directory), after
@@ -36,6 +37,9 @@ def from_pretrained(
         router_aux_loss_coef: transformers backend, mixture of experts: the load-balancing
             loss weight; None follows transformers (the config's ``router_aux_loss_coef`` when
             its ``output_router_logits`` is true, else no loss).
+        random_init: the run may start from random weights although ``path`` holds some;
+            otherwise a run that loads no checkpoint stops at set-up
+            (:func:`composer_tune.models.build.check_weights_are_loaded` reads it).
     """
     # Imported here: composer_tune.checkpointing imports this package.
     from composer_tune.checkpointing.hf_checkpoint import (

@@ -135,15 +135,47 @@ def _streamed_hf_weights(
         yield name, value
 
 
+def _launch_identifier() -> str:
+    """What names this torchrun launch's CPU shared memory: its rendezvous port, which no two
+    live launches on one machine share (each one's store binds it)."""
+    return f"composer_tune_{os.environ['MASTER_PORT']}"
+
+
+def _name_cpu_shm_after_the_launch() -> None:
+    """Makes vLLM's CPU tensor-parallel groups in this process name their shared-memory
+    segments after this launch (:func:`_launch_identifier`).
+
+    vLLM 0.32's CPU worker names them after ``VLLM_DIST_IDENT``, which it sets from its
+    rendezvous address just before it builds the groups: under an external launcher that is
+    ``env://``, the same for every run, so two runs on one machine (two jobs, two test workers)
+    whose groups hold the same ranks took the same names, and the second engine failed to start
+    ("create shm in SHMManager failed. errno: 17"). The group's name is made (and checked to
+    agree over the group's ranks) by ``_CPUSHMDistributed.make_group_name``; this wraps it to
+    put the launch's identifier in ``VLLM_DIST_IDENT`` first."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    make_group_name = _CPUSHMDistributed.make_group_name
+    if getattr(make_group_name, "names_the_launch", False):
+        return
+
+    def named_after_the_launch(communicator: Any) -> str:
+        os.environ["VLLM_DIST_IDENT"] = _launch_identifier()
+        return make_group_name(communicator)
+
+    named_after_the_launch.names_the_launch = True  # type: ignore[attr-defined]
+    _CPUSHMDistributed.make_group_name = staticmethod(named_after_the_launch)
+
+
 def _remove_cpu_shm_segments(ranks: list[int]) -> None:
-    """Unlinks the shared-memory segments vLLM's CPU tensor parallelism keeps for the group
-    ``ranks``. Under an external launcher vLLM names them after the group's ranks alone, and a
-    process that ends with ``os._exit`` (``finish_process``) or is killed leaves them behind,
-    where they stop the next run's engine from starting ("create shm ... errno: 17")."""
+    """Unlinks this launch's shared-memory segments of vLLM's CPU tensor-parallel group
+    ``ranks``. A process that ends with ``os._exit`` (``finish_process``) or is killed leaves
+    them behind, where they would stop a later launch on the same port from starting its engine
+    ("create shm ... errno: 17"); another live launch's segments have names of their own."""
+    prefix = f"{_launch_identifier()}-"
     marker = f"-[{'-'.join(str(rank) for rank in ranks)}]-cpushm_"
     shm = Path("/dev/shm")
     for segment in shm.iterdir() if shm.is_dir() else ():
-        if marker in segment.name:
+        if segment.name.startswith(prefix) and marker in segment.name:
             segment.unlink(missing_ok=True)
 
 
@@ -254,7 +286,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
             self._group = _tensor_parallel_group(dist_info, section.tensor_parallel_size)
             if self._group is not None and not self._on_gpu:
-                self._release_shared_memory()  # a killed earlier run's
+                _name_cpu_shm_after_the_launch()
+                self._release_shared_memory()  # a killed earlier launch's on this port
         if self._on_gpu:
             kwargs["gpu_memory_utilization"] = section.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = section.enable_sleep_mode
