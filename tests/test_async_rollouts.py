@@ -389,3 +389,61 @@ def test_sigint_at_staleness_one_keeps_every_finished_step_and_latest_finishes(
     )
     assert resumed_steps == list(range(stopped_at + 1, 11))
     assert int(latest_checkpoint(output_dir).name.removeprefix("step_")) == 10
+
+
+# ----------------------------------------------------------------------------- a real server
+
+
+def _server_checkpoint(directory: Path) -> Path:
+    """cpu_smoke's toy Qwen3 from another seed than the trainer's, with its tokenizer: the
+    server starts from weights the trainer does not have, so only a push makes them agree."""
+    cfg = config.load_config(
+        "cpu_smoke", ["warm_start=null", "seed=7", f"output_dir={directory}"],
+        recipe_file=REPO_ROOT / "recipes" / "grpo.py", schema=GRPOConfig,
+    )  # fmt: skip
+    from composer_tune.checkpointing.hf_checkpoint import save_hf_checkpoint
+    from composer_tune.distributed import DistInfo
+    from composer_tune.run.loop import build_model
+
+    model = build_model(cfg, DistInfo(1, 0, torch.device("cpu")), None, trainable=False)
+    save_hf_checkpoint(
+        model.state_dict(), model.config, directory, copy_files_from=REPO_ROOT / cfg.tokenizer.path
+    )
+    return directory
+
+
+@pytest.mark.slow
+def test_a_vllm_server_generates_from_pushed_weights_and_a_restarted_server_is_rejoined(
+    tmp_path: Path,
+) -> None:
+    """vLLM's CPU server started as tools/serve_rollouts.py starts it: the first batch's
+    sampler log-probs equal the trainer's (the gloo push replaced the server's other weights),
+    later rows are at most 1 step stale; the server killed and started again mid-run costs a
+    worker, which rejoins it, and the run finishes."""
+    from composer_tune.teachers.local_server import LocalServerSettings, LocalTeacherServer
+
+    settings = LocalServerSettings(
+        model_dir=_server_checkpoint(tmp_path / "server_model"), served_model_name="policy",
+        max_model_len=128, kv_cache_gib=1, chat_template=None, tool_call_parser=None,
+        rollout_server=True, startup_timeout_s=600,
+    )  # fmt: skip
+    server = LocalTeacherServer(settings, log_path=tmp_path / "server.log")
+    server.start()
+    try:
+        output_dir = tmp_path / "run"
+        url = server.base_url.removesuffix("/v1")
+        args = _grpo(output_dir, "max_steps=8", f"rollout.server.url={url}")
+        process, out, err = _start(args, tmp_path, "server")
+        _wait_for_step(process, output_dir, 3, err)
+        server.kill()
+        server.start()
+        assert process.wait(timeout=1200) == 0, err.read_text()[-3000:]
+    finally:
+        server.stop()
+    assert "died (exit code 3)" in out.read_text(), out.read_text()[-2000:]
+    logged = _logged(output_dir)
+    assert [step for step in range(1, 9) if "loss" in logged.get(step, {})] == list(range(1, 9))
+    # Step 1: the server sampled with exactly the trainer's weights (a float32 engine).
+    assert logged[1]["sampling/logp_diff_abs"] < 1e-4, logged[1]
+    assert all(logged[step]["async/staleness_max"] <= 1 for step in range(1, 9))
+    assert logged[8]["async/worker_restarts"] >= 1

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from composer_tune.teachers.local_server import (
-    LocalServerError,
     LocalServerSettings,
     LocalTeacherServer,
+    serve_until_signalled,
 )
 
 
@@ -91,23 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     server = LocalTeacherServer(
         settings, log_path=args.log, api_key=os.environ.get(args.api_key_env) or None
     )
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    print(f"starting vLLM on {args.model_dir} (log: {args.log}) ...", flush=True)
-    try:
-        server.start()
-    except LocalServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    try:
-        print(f"teacher server ready at {server.base_url} (model {args.served_model_name!r}); "
-              "Ctrl-C stops it", flush=True)  # fmt: skip
-        stopped.wait()
-    finally:
-        server.stop()
-    print("teacher server stopped", flush=True)
-    return 0
+    return serve_until_signalled(server, "teacher server")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -85,6 +86,8 @@ from composer_tune.run.state import RunProgress
 # noticed this fast.
 _POLL_S = 1.0
 _WORKER_STOP_S = 5.0
+# A worker whose server stopped answering exits with this status, and is replaced.
+SERVER_LOST_EXIT_CODE = 3
 
 
 def uses_rollout_worker(section: Any) -> bool:
@@ -278,6 +281,10 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, requests: Any, results
                 )  # fmt: skip
                 seconds = time.perf_counter() - start
                 results.put(("rollout", request.id, sampled_by, _moved(rollout, "cpu"), seconds))
+            except ServerLost as error:
+                # The trainer replaces this worker; the new one waits for the server to return.
+                print(f"rollout worker: {error}", file=sys.stderr, flush=True)
+                os._exit(SERVER_LOST_EXIT_CODE)
             except Exception as error:
                 results.put(("error", request.id, _portable(error)))
     finally:
@@ -555,6 +562,23 @@ class AsyncRollouts:
 # ----------------------------------------------------------------------------- remote server
 
 
+class ServerLost(RolloutEngineError):
+    """The rollout server stopped answering (connection refused, reset or timed out)."""
+
+
+def wait_for_server(url: str, *, timeout_s: float) -> dict[str, Any]:
+    """:func:`check_server` until the server answers or ``timeout_s`` pass (a server being
+    restarted); raises ServerLost then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check_server(url, timeout_s=10.0)
+        except ValueError as error:
+            if time.monotonic() > deadline:
+                raise ServerLost(str(error)) from None
+        time.sleep(_POLL_S)
+
+
 def check_server(url: str, *, timeout_s: float) -> dict[str, Any]:
     """``GET <url>/v1/models`` of a vLLM server: its first model's card (``id``,
     ``max_model_len``). Raises ValueError, one line naming the server, when nothing answers
@@ -602,7 +626,7 @@ class ServerEngine:
     def __init__(self, section: Any, model: nn.Module, device: torch.device) -> None:
         self.url = section.url.rstrip("/")
         self.timeout_s = section.timeout_s
-        card = check_server(self.url, timeout_s=30.0)
+        card = wait_for_server(self.url, timeout_s=self.timeout_s)
         self.model_name = card["id"]
         self.max_model_len = int(card.get("max_model_len") or model.max_seq_len)
         self.client = httpx.Client(timeout=self.timeout_s)
@@ -621,7 +645,10 @@ class ServerEngine:
         """Calls ``method`` on every vLLM worker of the server (vLLM's ``/collective_rpc``);
         returns each worker's result."""
         body = {"method": method, "kwargs": {k: json.dumps(v) for k, v in kwargs.items()}}
-        reply = self.client.post(f"{self.url}/collective_rpc", json=body)
+        try:
+            reply = self.client.post(f"{self.url}/collective_rpc", json=body)
+        except httpx.TransportError as error:
+            raise ServerLost(f"the rollout server at {self.url} is gone ({error})") from error
         if reply.status_code == 404:
             raise RolloutEngineError(
                 f"the server at {self.url} has no /collective_rpc: start it with "
@@ -689,8 +716,11 @@ class ServerEngine:
         ]
 
         def send() -> None:
-            for _, tensor in tensors:
-                _broadcast(self.group, tensor)
+            try:
+                for _, tensor in tensors:
+                    _broadcast(self.group, tensor)
+            except RuntimeError as error:  # gloo/NCCL: a peer left the group
+                raise ServerLost(f"the weight push to {self.url} failed ({error})") from error
 
         self._rpc_beside(
             "composer_receive_weights", send, spec={"tensors": entries, "tied": self.tied}
@@ -728,6 +758,8 @@ class ServerEngine:
             reply = self.client.post(f"{self.url}/v1/completions", json=body)
             reply.raise_for_status()
             choices = sorted(reply.json()["choices"], key=lambda choice: choice["index"])
+        except httpx.TransportError as error:
+            raise ServerLost(f"the rollout server at {self.url} is gone ({error})") from error
         except (httpx.HTTPError, KeyError, ValueError) as error:
             raise RolloutEngineError(
                 f"the rollout server at {self.url} failed a generation request: "
