@@ -29,9 +29,10 @@ import sys
 from pathlib import Path
 
 from composer_tune.teachers.local_server import (
-    LocalServerSettings,
     LocalTeacherServer,
+    add_server_arguments,
     serve_until_signalled,
+    server_settings,
 )
 
 
@@ -41,47 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="HF checkpoint directory of the policy's architecture (default: the imported "
-        "SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--served-model-name", default="policy", help="the requests' 'model'")
+    add_server_arguments(
+        parser, model_name="policy", port=8000, max_num_seqs=256,
+        log=Path("outputs/serve_rollouts.log"),
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: any free)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+answer")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="rows batched together")
-    parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size (GiB)")
-    parser.add_argument("--dtype", default="float32", help="vLLM --dtype")
-    parser.add_argument(
-        "--log", type=Path, default=Path("outputs/serve_rollouts.log"), help="server log file"
-    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.model_dir is None:
-        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
-
-        args.model_dir = smollm2_checkpoint()
-    settings = LocalServerSettings(
-        model_dir=args.model_dir,
-        served_model_name=args.served_model_name,
-        port=args.port,
-        host=args.host,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        dtype=args.dtype,
-        chat_template=None,
-        tool_call_parser=None,
-        rollout_server=True,
+    settings = server_settings(
+        args, host=args.host, chat_template=None, tool_call_parser=None, rollout_server=True
     )
-    server = LocalTeacherServer(settings, log_path=args.log)
-    return serve_until_signalled(server, "rollout server")
+    return serve_until_signalled(LocalTeacherServer(settings, log_path=args.log), "rollout server")
 
 
 if __name__ == "__main__":

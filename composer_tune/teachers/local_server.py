@@ -23,6 +23,7 @@ leaves behind, holding RAM until reboot.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -313,3 +315,45 @@ def serve_until_signalled(server: LocalTeacherServer, what: str) -> int:
         server.stop()
     print(f"{what} stopped", flush=True)
     return 0
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser, *, model_name: str, port: int, max_num_seqs: int, log: Path
+) -> None:
+    """The command-line options of a server command (``tools/serve_teacher.py``,
+    ``tools/serve_rollouts.py``), with that command's defaults; see :func:`server_settings`."""
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="HF checkpoint directory (default: the imported SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--served-model-name", default=model_name, help="the requests' 'model'")
+    parser.add_argument("--port", type=int, default=port, help="port (0: any free)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+answer")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=max_num_seqs, help="requests batched together"
+    )
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size (GiB)")
+    parser.add_argument("--dtype", default="float32", help="vLLM --dtype")
+    parser.add_argument("--log", type=Path, default=log, help="server log file")
+
+
+def server_settings(args: argparse.Namespace, **settings: Any) -> LocalServerSettings:
+    """The settings :func:`add_server_arguments`' options give (no ``--model-dir``: SmolLM2,
+    imported on first use), with ``settings`` on top."""
+    model_dir = args.model_dir
+    if model_dir is None:
+        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+
+        model_dir = smollm2_checkpoint()
+    return LocalServerSettings(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        dtype=args.dtype,
+        **settings,
+    )
