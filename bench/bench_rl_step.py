@@ -199,31 +199,23 @@ def time_loop(config_name: str, overrides: str, output_dir: Path, steps: int) ->
     }
 
 
-def run_loops(args: argparse.Namespace, tmp: Path) -> None:
+def measure_loops(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Loop mode (module docstring): the variants' ``train()`` blocks in turn, ``--rounds``
-    times; prints steps per hour, speed-up, thread split, waits and staleness."""
+    times. Per variant: its overrides, median seconds per step, steps per hour, speed-up over
+    the first variant, thread split, mean seconds a step waited for its rollouts (None without
+    a worker) and the rows' mean staleness."""
     steps = args.warmup + args.repeats
     blocks: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(args.variant))}
     for round_index in range(args.rounds):
         for index, overrides in enumerate(args.variant):
             out = tmp / f"{index}_{round_index}"
             blocks[index].append(time_loop(args.config, overrides, out, steps))
-    print(
-        f"config {args.config}, loop mode: {args.rounds} rounds of {args.warmup} warm-up + "
-        f"{args.repeats} timed steps of train() per variant, variants in turn"
-    )
-    header = (
-        f"{'variant':<44}{'threads':<26}{'s/step':>9}{'steps/hour':>12}{'speed-up':>10}"
-        f"{'wait s/step':>13}{'staleness':>11}"
-    )
-    print(header)
-    baseline = None
+    results = []
     for index, overrides in enumerate(args.variant):
         per_step = statistics.median(
             (block["ends"][-1] - block["ends"][args.warmup]) / args.repeats
             for block in blocks[index]
         )
-        baseline = baseline or per_step
         timed = [
             values
             for block in blocks[index]
@@ -231,17 +223,38 @@ def run_loops(args: argparse.Namespace, tmp: Path) -> None:
             if step > args.warmup and "loss" in values
         ]
         worker = blocks[index][0]["worker_threads"]
-        threads = (
-            f"trainer {args.threads} + worker {worker}"
-            if worker is not None
-            else f"trainer {args.threads} (samples too)"
-        )
         waits = [v["async/wait_seconds"] for v in timed if "async/wait_seconds" in v]
-        wait = f"{statistics.mean(waits):.2f}" if waits else "-"
-        staleness = statistics.mean(v.get("async/staleness_mean", 0.0) for v in timed)
+        results.append(
+            {
+                "variant": overrides or "(config as is)",
+                "step_s": per_step,
+                "steps_per_hour": 3600 / per_step,
+                "speed_up": results[0]["step_s"] / per_step if results else 1.0,
+                "threads": f"trainer {args.threads} + worker {worker}"
+                if worker is not None
+                else f"trainer {args.threads} (samples too)",
+                "wait_s": statistics.mean(waits) if waits else None,
+                "staleness": statistics.mean(v.get("async/staleness_mean", 0.0) for v in timed),
+            }
+        )
+    return results
+
+
+def print_loops(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    print(
+        f"config {args.config}, loop mode: {args.rounds} rounds of {args.warmup} warm-up + "
+        f"{args.repeats} timed steps of train() per variant, variants in turn"
+    )
+    print(
+        f"{'variant':<44}{'threads':<26}{'s/step':>9}{'steps/hour':>12}{'speed-up':>10}"
+        f"{'wait s/step':>13}{'staleness':>11}"
+    )
+    for row in results:
+        wait = f"{row['wait_s']:.2f}" if row["wait_s"] is not None else "-"
         print(
-            f"{overrides or '(config as is)':<44}{threads:<26}{per_step:>9.2f}"
-            f"{3600 / per_step:>12.1f}{baseline / per_step:>9.2f}x{wait:>13}{staleness:>11.2f}"
+            f"{row['variant']:<44}{row['threads']:<26}{row['step_s']:>9.2f}"
+            f"{row['steps_per_hour']:>12.1f}{row['speed_up']:>9.2f}x{wait:>13}"
+            f"{row['staleness']:>11.2f}"
         )
 
 
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if loop_mode(args):
         with tempfile.TemporaryDirectory() as tmp:
-            run_loops(args, Path(tmp))
+            print_loops(args, measure_loops(args, Path(tmp)))
         return
     steps = args.warmup + args.repeats
     with tempfile.TemporaryDirectory() as tmp:

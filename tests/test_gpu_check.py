@@ -22,7 +22,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
-PARTS = ("parity", "memory", "speed", "sampling", "peer")
+PARTS = ("parity", "memory", "speed", "sampling", "peer", "async")
 
 
 def _load(path: Path) -> ModuleType:
@@ -121,6 +121,15 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
         assert peer["status"] == "INFO"
         ratios = [row["ratio"] for row in peer["rows"] if row.get("ratio") is not None]
         assert len(ratios) == 2 and all(ratio > 0 for ratio in ratios)
+
+    timed = parts["async"]
+    assert timed["status"] == "INFO"
+    synchronous, stale = timed["rows"]
+    assert (synchronous["max_staleness"], stale["max_staleness"]) == (0, 1)
+    assert synchronous["staleness"] == 0 and synchronous["wait_s"] is None
+    # After its warm-up step every batch of the worker is exactly one step behind.
+    assert stale["staleness"] == 1 and stale["wait_s"] >= 0 and "worker 1" in stale["threads"]
+    assert synchronous["step_s"] > 0 and stale["speed_up"] > 0
 
     markdown = (out / "report.md").read_text()
     for name in PARTS:
