@@ -391,6 +391,53 @@ def test_sigint_at_staleness_one_keeps_every_finished_step_and_latest_finishes(
     assert int(latest_checkpoint(output_dir).name.removeprefix("step_")) == 10
 
 
+class PidEnvironment:
+    """A TRL environment that notes which process made it (in ``$PID_LOG``) and pays every
+    other instance 1."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        PidEnvironment.made += 1
+        self.pays = float(PidEnvironment.made % 2)
+        with open(os.environ["PID_LOG"], "a") as log:
+            log.write(f"{os.getpid()}\n")
+
+    def reset(self, **sample: Any) -> str | None:
+        return None
+
+    def get_reward(self) -> float:
+        return self.pays
+
+
+@pytest.mark.slow
+def test_agent_episodes_and_their_environments_run_in_the_worker(tmp_path: Path) -> None:
+    """Multi-turn episodes at staleness 1: every episode's environment is made in the worker
+    (the trainer makes one only, set-up's probe of the agent section), and the steps train."""
+    output_dir, pids = tmp_path / "run", tmp_path / "pids.txt"
+    args = [
+        "recipes/grpo.py", "--config", "cpu_smoke_agent", f"output_dir={output_dir}",
+        "agent.environment._component_=tests.test_async_rollouts.PidEnvironment",
+        "rollout.max_staleness=1", "max_steps=3", "eval_dataset=null", "logging.progress_bar=false",
+    ]  # fmt: skip
+    env = {**checkout_env(), "PID_LOG": str(pids), "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "err").open("w") as err:
+        process = subprocess.Popen(
+            [TUNE, "run", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+        assert process.wait(timeout=900) == 0, (tmp_path / "err").read_text()[-3000:]
+    made_by: dict[int, int] = {}
+    for line in pids.read_text().split():
+        made_by[int(line)] = made_by.get(int(line), 0) + 1
+    assert made_by.pop(process.pid) == 1, made_by  # the trainer's set-up probe
+    ((worker, made),) = made_by.items()  # one worker, never replaced
+    assert made >= 1 + 3 * 2 * 4, made  # its own probe, then 3 batches of 2 prompts x 4
+    logged = _logged(output_dir)
+    for step in (1, 2, 3):
+        assert logged[step]["episode/turns"] >= 1 and logged[step]["grad_norm"] > 0
+    assert logged[3]["async/staleness_max"] == 1.0
+
+
 # ----------------------------------------------------------------------------- a real server
 
 
