@@ -391,6 +391,19 @@ def test_sigint_at_staleness_one_keeps_every_finished_step_and_latest_finishes(
     assert int(latest_checkpoint(output_dir).name.removeprefix("step_")) == 10
 
 
+@pytest.mark.slow
+def test_a_worker_that_cannot_build_its_engine_stops_the_setup_with_its_error(
+    tmp_path: Path,
+) -> None:
+    """The worker's own set-up error (here its vLLM engine's bad dtype) reaches the trainer at
+    set-up, as the same error the trainer's own engine would raise, and no worker is left."""
+    with pytest.raises(RolloutEngineError, match=r"rollout.vllm.dtype must be one of"):
+        _recipe(
+            tmp_path, "rollout.max_staleness=1", "rollout.engine=vllm", "rollout.vllm.dtype=fp64"
+        )
+    assert not [c for c in psutil.Process().children(recursive=True) if _is_spawned(c)]
+
+
 class PidEnvironment:
     """A TRL environment that notes which process made it (in ``$PID_LOG``) and pays every
     other instance 1."""

@@ -49,6 +49,7 @@ import dataclasses
 import datetime
 import json
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -217,7 +218,7 @@ def _portable(error: BaseException) -> BaseException:
     """``error`` itself if it survives pickling (the trainer raises the worker's own error),
     else a RolloutEngineError quoting it."""
     try:
-        mp.reductions.ForkingPickler.dumps(error)
+        pickle.dumps(error)
     except Exception:
         return RolloutEngineError(f"the rollout worker failed: {type(error).__name__}: {error}")
     return error
@@ -243,14 +244,18 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, requests: Any, results
 
     cfg = OmegaConf.create(spec.config)
     dist_info = DistInfo(world_size=1, rank=0, device=torch.device(spec.device))
-    tokenizer = config.instantiate(cfg.tokenizer)
-    agent = build_agent(cfg.agent)
-    reward = build_reward(cfg.reward, where="reward")
-    model = build_model(cfg, dist_info, spec.checkpoint, trainable=False)
-    version = weights.load_into(model, weights.version, holding=-1, alive=trainer_alive)
-    engine = _worker_engine(cfg, model, dist_info, version)
+    try:
+        tokenizer = config.instantiate(cfg.tokenizer)
+        agent = build_agent(cfg.agent)
+        reward = build_reward(cfg.reward, where="reward")
+        model = build_model(cfg, dist_info, spec.checkpoint, trainable=False)
+        version = weights.load_into(model, weights.version, holding=-1, alive=trainer_alive)
+        engine = _worker_engine(cfg, model, dist_info, version)
+    except Exception as error:  # the trainer raises it: the run cannot sample
+        results.put(("error", None, _portable(error)))
+        return
     push_every = cfg.rollout.server.push_every_n_steps
-    results.put(("ready", os.getpid(), type(engine).__name__ if engine else "native"))
+    results.put(("ready",))
     try:
         while trainer_alive():
             try:
@@ -406,7 +411,6 @@ class AsyncRollouts:
             trainer_pid=os.getpid(),
         )
         self.worker = RolloutWorker(spec, self.weights, context)
-        self.worker.start()
         atexit.register(self.close)
         self._in_flight: deque[_InFlight] = deque()
         self._done: dict[int, tuple[int, RolloutBatch, float]] = {}
@@ -416,6 +420,7 @@ class AsyncRollouts:
         self.dropped_rows = 0
         self.wait_seconds = 0.0
         self.generation_seconds = 0.0
+        self.worker.start()
 
     # -- requests
 
@@ -454,28 +459,39 @@ class AsyncRollouts:
     def _await(self, request_id: int) -> tuple[int, RolloutBatch, float]:
         """The worker's answer to ``request_id``, replacing a worker that died meanwhile."""
         while request_id not in self._done:
-            message = self.worker.receive(timeout=_POLL_S)
-            if message is None:
-                if not self.worker.alive:
-                    self._replace_worker(f"exit code {self.worker.process.exitcode}")
-                elif (
-                    not self.worker.ready
-                    and time.monotonic() - self.worker.started_at > self.start_timeout_s
-                ):
-                    raise RolloutEngineError(
-                        f"the rollout worker did not start within {self.start_timeout_s:.0f} s "
-                        "(rollout.worker.start_timeout_s)"
-                    )
-                continue
-            kind = message[0]
-            if kind == "ready":
-                self.worker.ready = True
-            elif kind == "error":
-                raise message[2]
-            elif kind == "rollout":
-                _, answered, version, rollout, seconds = message
-                self._done[answered] = (version, rollout, seconds)
+            self._take_message()
         return self._done.pop(request_id)
+
+    def wait_until_ready(self) -> None:
+        """Returns once the worker has built everything it samples with; raises its error if
+        it could not."""
+        while not self.worker.ready:
+            self._take_message()
+
+    def _take_message(self) -> None:
+        """Takes the worker's next message (a finished batch, its readiness or its error),
+        or, when none comes, replaces a dead worker and gives up on one that never starts."""
+        message = self.worker.receive(timeout=_POLL_S)
+        if message is None:
+            if not self.worker.alive:
+                self._replace_worker(f"exit code {self.worker.process.exitcode}")
+            elif (
+                not self.worker.ready
+                and time.monotonic() - self.worker.started_at > self.start_timeout_s
+            ):
+                raise RolloutEngineError(
+                    f"the rollout worker did not start within {self.start_timeout_s:.0f} s "
+                    "(rollout.worker.start_timeout_s)"
+                )
+            return
+        kind = message[0]
+        if kind == "ready":
+            self.worker.ready = True
+        elif kind == "error":
+            raise message[2]
+        elif kind == "rollout":
+            _, answered, version, rollout, seconds = message
+            self._done[answered] = (version, rollout, seconds)
 
     def _replace_worker(self, reason: str) -> None:
         """Starts a new worker in place of a dead one and requests its unanswered batches

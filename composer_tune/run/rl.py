@@ -159,6 +159,11 @@ class RLRun:
                 self.cfg, model=self.model, progress=self.progress, loader=self.task.loader,
                 sampler=self.task.sampler, checkpoint=self.current, dist_info=self.dist,
             )  # fmt: skip
+            try:  # a worker that cannot sample stops the set-up
+                self.stream.wait_until_ready()
+            except BaseException:
+                self.stream.close()
+                raise
             self._say_staleness()
         elif self.channels.needs_rollouts:
             self.engine = build_rollout_engine(
