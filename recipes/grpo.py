@@ -11,7 +11,8 @@ into group-relative advantages, then take ``steps_per_generation * num_iteration
 steps on that batch with the objective chosen by ``loss.objective`` (grpo, dr_grpo, bnpo, dapo,
 gspo, cispo, sapo; see composer_tune/losses/policy.py). A frozen reference model is built only
 when ``loss.beta > 0``. Held-out accuracy is measured by greedy generation before, during
-(``eval_every_n_steps``) and after training.
+(``eval_every_n_steps``) and after training. With ``rollout.max_staleness >= 1`` a rollout
+worker samples the next batches while this one trains (composer_tune/rollout/async_rollouts.py).
 
 The recipe reads top to bottom: ``setup()`` builds the run and the channel step, ``train()`` is
 the loop. The channel step is ``ComposerObjective`` with channel 1 alone, the step A2-A4 and

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -262,6 +263,27 @@ def test_a_dead_worker_is_replaced_and_its_batches_requested_again(
         _train_batches(recipe, 1)
 
 
+def test_a_worker_dead_while_holding_the_weights_lock_does_not_block_the_trainer(
+    tmp_path: Path, scripted: type[ScriptedWorker]
+) -> None:
+    """A worker killed mid-copy never releases the shared weights' lock: the trainer's next
+    publish replaces it, with a fresh buffer holding the new weights."""
+    recipe = _stream_recipe(tmp_path, 1, "max_steps=4")
+    stream, worker = recipe.run.stream, ScriptedWorker.instances[0]
+    stale = stream.weights
+    # The "worker" (another thread: the lock is re-entrant) takes the lock and dies with it.
+    taker = threading.Thread(target=stale._changed.acquire)
+    taker.start()
+    taker.join()
+    worker.die()
+    stream.publish(1)
+    assert worker.starts == 2 and stream.restarts == 1
+    assert stream.weights is not stale and stream.weights.version == 1
+    assert worker.weights is stream.weights
+    for name, value in recipe.run.model.state_dict().items():
+        assert torch.equal(stream.weights.tensors[name], value), name
+
+
 def test_a_batch_older_than_k_when_its_turn_comes_is_generated_again(
     tmp_path: Path, scripted: type[ScriptedWorker]
 ) -> None:
@@ -389,6 +411,32 @@ def test_sigint_at_staleness_one_keeps_every_finished_step_and_latest_finishes(
     )
     assert resumed_steps == list(range(stopped_at + 1, 11))
     assert int(latest_checkpoint(output_dir).name.removeprefix("step_")) == 10
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_step_leaves_no_worker_and_latest_finishes(tmp_path: Path) -> None:
+    """kill -9 of the trainer at staleness 1: its orphaned worker exits by itself, and the
+    periodic checkpoint resumes to the end of the run."""
+    output_dir = tmp_path / "run"
+    args = _grpo(output_dir, "max_steps=8", "checkpoint.save_every_n_steps=2")
+    process, _, err = _start(args, tmp_path, "killed")
+    _wait_for_step(process, output_dir, 5, err)
+    (worker,) = _worker_pids(process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    psutil.Process(worker).wait(timeout=120)  # gone without anyone stopping it
+    saved = int(latest_checkpoint(output_dir).name.removeprefix("step_"))
+    assert saved in (4, 6)
+    resumed = run_recipe(
+        "grpo", "cpu_smoke", output_dir, *COMMON, "rollout.max_staleness=1", "max_steps=8",
+        "checkpoint.save_every_n_steps=2", "checkpoint.resume_from_checkpoint=latest",
+        f"logging.metric_logger.log_dir={tmp_path / 'resumed_logs'}",
+    )  # fmt: skip
+    assert f"at step {saved}" in resumed.stdout
+    steps = read_metrics(tmp_path / "resumed_logs")
+    assert sorted(step for step, values in steps.items() if "loss" in values) == list(
+        range(saved + 1, 9)
+    )
 
 
 @pytest.mark.slow

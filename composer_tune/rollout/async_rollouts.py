@@ -150,14 +150,20 @@ class SharedWeights:
     def version(self) -> int:
         return int(self._version.value)
 
-    def publish(self, model: nn.Module, version: int) -> None:
-        """Copies ``model``'s weights in as ``version`` and wakes a waiting worker."""
-        with self._changed:
+    def publish(self, model: nn.Module, version: int, *, timeout: float | None = None) -> bool:
+        """Copies ``model``'s weights in as ``version`` and wakes a waiting worker; False if the
+        lock was not free within ``timeout`` (a worker killed while copying never frees it)."""
+        if not self._changed.acquire(timeout=timeout):
+            return False
+        try:
             with torch.no_grad():
                 for name, value in model.state_dict().items():
                     self.tensors[name].copy_(value.detach())
             self._version.value = version
             self._changed.notify_all()
+        finally:
+            self._changed.release()
+        return True
 
     def load_into(
         self, model: nn.Module, min_version: int, *, holding: int, alive: Callable[[], bool]
@@ -400,9 +406,10 @@ class AsyncRollouts:
         self.start_timeout_s = section.worker.start_timeout_s
         self._cursor = _DataCursor(progress.epoch, progress.batches_in_epoch)
         self._prompts = epoch_batches(loader, sampler, self._cursor)
-        context = mp.get_context("spawn")
-        self.weights = SharedWeights(model, context)
-        self.weights.publish(model, progress.step)
+        self._context = mp.get_context("spawn")
+        self.version = progress.step  # of the weights last published
+        self.weights = SharedWeights(model, self._context)
+        self.weights.publish(model, self.version)
         spec = WorkerSpec(
             config=OmegaConf.to_container(cfg, resolve=True),
             checkpoint=str(checkpoint) if checkpoint is not None else None,
@@ -410,7 +417,7 @@ class AsyncRollouts:
             threads=section.worker.threads or torch.get_num_threads(),
             trainer_pid=os.getpid(),
         )
-        self.worker = RolloutWorker(spec, self.weights, context)
+        self.worker = RolloutWorker(spec, self.weights, self._context)
         atexit.register(self.close)
         self._in_flight: deque[_InFlight] = deque()
         self._done: dict[int, tuple[int, RolloutBatch, float]] = {}
@@ -504,6 +511,10 @@ class AsyncRollouts:
                 "replacements (rollout.worker.max_restarts)"
             )
         self.worker.stop()
+        # Fresh shared weights: the dead worker may have died holding the old buffer's lock.
+        self.weights = SharedWeights(self.model, self._context)
+        self.weights.publish(self.model, self.version)
+        self.worker.weights = self.weights
         self.worker.start()
         again = [f for f in self._in_flight if f.request.id not in self._done]
         for flight in again:
@@ -551,8 +562,13 @@ class AsyncRollouts:
     # -- the trainer's side of each step
 
     def publish(self, version: int) -> None:
-        """The trainer's weights after optimiser step ``version``, for the worker."""
-        self.weights.publish(self.model, version)
+        """The trainer's weights after optimiser step ``version``, for the worker (into a new
+        worker's buffer if the worker died holding the lock of its own)."""
+        self.version = version
+        while not self.weights.publish(self.model, version, timeout=_POLL_S):
+            if not self.worker.alive:
+                self._replace_worker(f"exit code {self.worker.process.exitcode}")
+                return
 
     def metrics(self, step: int) -> dict[str, float]:
         """This step's staleness (of the rows it trains on: ``step`` minus the version that

@@ -211,9 +211,10 @@ class RLRun:
         here by :meth:`rollout` (``max_staleness: 0``), or by the rollout worker ahead of
         training (:class:`AsyncRollouts`; the trainer then adds the old and ``reference``
         log-probs with its current weights)."""
-        if self.stream is None:
+        if self.stream is None:  # epoch_batches never ends
             for samples in epoch_batches(self.task.loader, self.task.sampler, self.progress):
                 yield self.rollout(samples, reference, push_always=push_always)
+            return
         settings = {
             "temperature": self.cfg.temperature,
             "chunk_size": self.cfg.logprob_chunk_size,
@@ -233,13 +234,14 @@ class RLRun:
             f"the vLLM server at {section.server.url}" if section.server.url else "a rollout worker"
         )
         correction = (
-            f"loss.sampling_correction={loss.sampling_correction} (cap {loss.sampling_correction_cap})"
+            f", corrected by loss.sampling_correction={loss.sampling_correction} "
+            f"(cap {loss.sampling_correction_cap})"
             if loss.sampling_correction is not None
-            else "no sampling correction"
+            else ""
         )
         print(
             f"rollout.max_staleness={section.max_staleness}: {where} samples with weights at most "
-            f"{section.max_staleness} optimiser steps old, corrected by {correction}",
+            f"{section.max_staleness} optimiser steps old{correction}",
             flush=True,
         )
 
