@@ -351,6 +351,8 @@ class RolloutWorker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        # Requests nobody will read must not hold this process's exit.
+        self.requests.cancel_join_thread()
         self.process = None
 
 
@@ -587,8 +589,9 @@ class AsyncRollouts:
         return metrics
 
     def close(self) -> None:
-        """Stops the worker (idempotent)."""
+        """Stops the worker (idempotent); the stream no longer keeps the policy alive."""
         self.worker.stop()
+        atexit.unregister(self.close)
 
 
 # ----------------------------------------------------------------------------- remote server
