@@ -97,10 +97,8 @@ class ComposerChannels:
         if weight < 0:
             raise ValueError(f"loss.weight must be >= 0, got {weight}")
         section.setdefault("max_completion_length", cfg.max_new_tokens)
-        rollout = cfg.get("rollout")
-        if rollout is not None and rollout.max_staleness > 0 and not section.get(
-            "sampling_correction"
-        ):
+        staleness = (cfg.get("rollout") or {}).get("max_staleness", 0)
+        if staleness > 0 and not section.get("sampling_correction"):
             # Rows sampled by older weights: the loss reweights them (async_rollouts).
             section["sampling_correction"] = "token_truncate"
         channels = cls(
