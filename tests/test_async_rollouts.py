@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -149,7 +150,8 @@ class ScriptedWorker:
                 reward=run.task.reward, generator=torch.Generator().manual_seed(request.seed),
                 reference=None, compute_old_logp=False, sync_ranks=False,
             )  # fmt: skip
-            self.answers.append(("rollout", request.id, self.weights.version, rollout, 0.0))
+            payload = pickle.dumps(rollout)  # as the worker sends it
+            self.answers.append(("rollout", request.id, self.weights.version, payload, 0.0))
 
     def receive(self, timeout: float) -> tuple[Any, ...] | None:
         if not self.alive:
@@ -294,12 +296,12 @@ def test_a_batch_older_than_k_when_its_turn_comes_is_generated_again(
     _train_batches(recipe, 1)
     # The batch in flight claims weights from before the run: 2 steps behind at its turn.
     worker = ScriptedWorker.instances[0]
-    kind, request_id, _, rollout, seconds = worker.answers[0]
-    worker.answers[0] = (kind, request_id, -1, rollout, seconds)
+    kind, request_id, _, payload, seconds = worker.answers[0]
+    worker.answers[0] = (kind, request_id, -1, payload, seconds)
     seen = _train_batches(recipe, 1)
     (version,) = seen[0]["versions"]
     assert seen[0]["step"] - version <= 1
-    assert run.stream.dropped_rows == len(rollout)
+    assert run.stream.dropped_rows == len(pickle.loads(payload))
 
 
 def test_bad_rollout_settings_are_one_line_errors(tmp_path: Path) -> None:

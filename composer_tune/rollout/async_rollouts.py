@@ -291,7 +291,10 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, requests: Any, results
                     sync_ranks=False, engine=engine, policy_version=sampled_by, agent=agent,
                 )  # fmt: skip
                 seconds = time.perf_counter() - start
-                results.put(("rollout", request.id, sampled_by, _moved(rollout, "cpu"), seconds))
+                # Pickled here, tensors by value: a batch in the queue does not depend on
+                # this process living on (shared-memory tensors would be lost with it).
+                payload = pickle.dumps(_moved(rollout, "cpu"))
+                results.put(("rollout", request.id, sampled_by, payload, seconds))
             except ServerLost as error:
                 # The trainer replaces this worker; the new one waits for the server to return.
                 print(f"rollout worker: {error}", file=sys.stderr, flush=True)
@@ -336,9 +339,12 @@ class RolloutWorker:
         self.requests.put(request)
 
     def receive(self, timeout: float) -> tuple[Any, ...] | None:
+        """The worker's next message, or None (none yet, or one a dying worker left unread)."""
         try:
             return self.results.get(timeout=timeout)
         except queue.Empty:
+            return None
+        except (EOFError, OSError, pickle.UnpicklingError):
             return None
 
     def stop(self) -> None:
@@ -499,8 +505,8 @@ class AsyncRollouts:
         elif kind == "error":
             raise message[2]
         elif kind == "rollout":
-            _, answered, version, rollout, seconds = message
-            self._done[answered] = (version, rollout, seconds)
+            _, answered, version, payload, seconds = message
+            self._done[answered] = (version, pickle.loads(payload), seconds)
 
     def _replace_worker(self, reason: str) -> None:
         """Starts a new worker in place of a dead one and requests its unanswered batches
