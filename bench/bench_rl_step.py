@@ -11,10 +11,23 @@ hits all of them alike. The first ``--warmup`` steps of each are not counted. Ph
 (sampling; with ``rollout.engine=vllm`` also pushing the new weights into the engine), reward, old log-prob pass (no grad; absent from on-policy GRPO), train
 forward (the log-prob forward with grad) and the rest (backward, clipping, AdamW). Prints the
 median seconds per phase and each variant's speed-up over the first.
+
+Asynchronous rollouts (any variant with ``rollout.max_staleness >= 1``, or ``--loop``) overlap
+generation with training across steps, which a step-by-step alternation would mis-measure (one
+variant's worker would generate while another trains). The variants then run the recipe's own
+``train()`` in turn, ``--rounds`` times, each block ``--warmup`` + ``--repeats`` steps long
+(its set-up and worker start not counted), one variant at a time; the table gives each
+variant's steps per hour (median over rounds), its speed-up over the first, the thread split
+(the trainer's ``--threads``; the rollout worker's ``rollout.worker.threads``, default the
+same), the seconds a step waited for its rollouts and the rows' mean staleness:
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_rl_step.py --config smollm2 \
+        --variant rollout.max_staleness=0 --variant rollout.max_staleness=1
 """
 
 import argparse
 import functools
+import re
 import statistics
 import sys
 import tempfile
@@ -48,35 +61,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="uncounted steps per variant")
     parser.add_argument("--repeats", type=int, default=3, help="counted steps per variant")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--loop", action="store_true", help="time train() blocks (implied by max_staleness >= 1)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="loop mode: blocks per variant")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--repeats and --rounds must be >= 1 and --warmup >= 0")
     args.variant = args.variant or [""]
     return args
+
+
+def build_recipe(config_name: str, overrides: str, output_dir: Path, steps: int) -> Any:
+    """``recipes/grpo.py``'s GRPORecipe for ``config_name`` + ``overrides``, set up, for
+    ``steps`` steps without evaluation or periodic checkpoints."""
+    from composer_tune import config
+    from recipes.grpo import GRPOConfig, GRPORecipe
+
+    cfg = config.load_config(
+        config_name,
+        [
+            *overrides.split(),
+            f"output_dir={output_dir}",
+            f"max_steps={steps}",
+            "eval_dataset=null",
+            "checkpoint.save_every_n_steps=0",
+            "logging.log_every_n_steps=1",
+            "logging.progress_bar=false",
+        ],
+        recipe_file=REPO_ROOT / "recipes" / "grpo.py",
+        schema=GRPOConfig,
+    )
+    recipe = GRPORecipe(cfg)
+    recipe.setup()
+    return recipe
 
 
 class Variant:
     """One GRPORecipe and the phase times of its steps."""
 
     def __init__(self, config_name: str, overrides: str, output_dir: Path, steps: int) -> None:
-        from composer_tune import config
-        from recipes.grpo import GRPOConfig, GRPORecipe
-
         self.name = overrides or "(config as is)"
-        cfg = config.load_config(
-            config_name,
-            [
-                *overrides.split(),
-                f"output_dir={output_dir}",
-                f"max_steps={steps}",
-                "eval_dataset=null",
-                "logging.progress_bar=false",
-            ],
-            recipe_file=REPO_ROOT / "recipes" / "grpo.py",
-            schema=GRPOConfig,
-        )
-        self.recipe = GRPORecipe(cfg)
-        self.recipe.setup()
+        self.recipe = build_recipe(config_name, overrides, output_dir, steps)
         self.steps: list[dict[str, float]] = []
         self.completion_tokens: list[float] = []
 
@@ -142,9 +168,110 @@ def clock_phases(clock: PhaseClock, variants: list[Variant]) -> None:
             engine.sync_weights = clock.wrap("generation", engine.sync_weights)
 
 
+def time_loop(config_name: str, overrides: str, output_dir: Path, steps: int) -> dict[str, Any]:
+    """One block of loop mode: the recipe's ``train()`` for ``steps`` steps; when it started
+    and each step ended (``time.perf_counter``), the rollout worker's threads (None: no
+    worker) and the metrics the run logged."""
+    from composer_tune.analysis.metrics_log import read_metrics
+    from composer_tune.run.loop import LoopChores
+
+    recipe = build_recipe(config_name, overrides, output_dir, steps)
+    ends: list[float] = []
+    step_done = LoopChores.step_done
+
+    def timed(chores: LoopChores, *args: Any, **kwargs: Any) -> None:
+        step_done(chores, *args, **kwargs)
+        ends.append(time.perf_counter())
+
+    LoopChores.step_done = timed
+    ends.append(time.perf_counter())
+    try:
+        recipe.train()
+    finally:
+        LoopChores.step_done = step_done
+        stream = recipe.run.stream
+        worker_threads = stream.worker.spec.threads if stream is not None else None
+        recipe.cleanup()
+    return {
+        "ends": ends,
+        "worker_threads": worker_threads,
+        "logged": read_metrics(output_dir / "logs"),
+    }
+
+
+def measure_loops(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Loop mode (module docstring): the variants' ``train()`` blocks in turn, ``--rounds``
+    times. Per variant: its overrides, median seconds per step, steps per hour, speed-up over
+    the first variant, thread split, mean seconds a step waited for its rollouts (None without
+    a worker) and the rows' mean staleness."""
+    steps = args.warmup + args.repeats
+    blocks: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(args.variant))}
+    for round_index in range(args.rounds):
+        for index, overrides in enumerate(args.variant):
+            out = tmp / f"{index}_{round_index}"
+            blocks[index].append(time_loop(args.config, overrides, out, steps))
+    results = []
+    for index, overrides in enumerate(args.variant):
+        per_step = statistics.median(
+            (block["ends"][-1] - block["ends"][args.warmup]) / args.repeats
+            for block in blocks[index]
+        )
+        timed = [
+            values
+            for block in blocks[index]
+            for step, values in block["logged"].items()
+            if step > args.warmup and "loss" in values
+        ]
+        worker = blocks[index][0]["worker_threads"]
+        waits = [v["async/wait_seconds"] for v in timed if "async/wait_seconds" in v]
+        results.append(
+            {
+                "variant": overrides or "(config as is)",
+                "step_s": per_step,
+                "steps_per_hour": 3600 / per_step,
+                "speed_up": results[0]["step_s"] / per_step if results else 1.0,
+                "threads": f"trainer {args.threads} + worker {worker}"
+                if worker is not None
+                else f"trainer {args.threads} (samples too)",
+                "wait_s": statistics.mean(waits) if waits else None,
+                "staleness": statistics.mean(v.get("async/staleness_mean", 0.0) for v in timed),
+            }
+        )
+    return results
+
+
+def print_loops(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    print(
+        f"config {args.config}, loop mode: {args.rounds} rounds of {args.warmup} warm-up + "
+        f"{args.repeats} timed steps of train() per variant, variants in turn"
+    )
+    print(
+        f"{'variant':<44}{'threads':<26}{'s/step':>9}{'steps/hour':>12}{'speed-up':>10}"
+        f"{'wait s/step':>13}{'staleness':>11}"
+    )
+    for row in results:
+        wait = f"{row['wait_s']:.2f}" if row["wait_s"] is not None else "-"
+        print(
+            f"{row['variant']:<44}{row['threads']:<26}{row['step_s']:>9.2f}"
+            f"{row['steps_per_hour']:>12.1f}{row['speed_up']:>9.2f}x{wait:>13}"
+            f"{row['staleness']:>11.2f}"
+        )
+
+
+def loop_mode(args: argparse.Namespace) -> bool:
+    """``--loop``, or a variant that samples asynchronously."""
+    return args.loop or any(
+        re.search(r"rollout\.max_staleness=[1-9]", overrides) for overrides in args.variant
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if loop_mode(args):
+        with tempfile.TemporaryDirectory() as tmp:
+            print_loops(args, measure_loops(args, Path(tmp)))
+        return
     steps = args.warmup + args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         variants = [

@@ -11,7 +11,8 @@ into group-relative advantages, then take ``steps_per_generation * num_iteration
 steps on that batch with the objective chosen by ``loss.objective`` (grpo, dr_grpo, bnpo, dapo,
 gspo, cispo, sapo; see composer_tune/losses/policy.py). A frozen reference model is built only
 when ``loss.beta > 0``. Held-out accuracy is measured by greedy generation before, during
-(``eval_every_n_steps``) and after training.
+(``eval_every_n_steps``) and after training. With ``rollout.max_staleness >= 1`` a rollout
+worker samples the next batches while this one trains (composer_tune/rollout/async_rollouts.py).
 
 The recipe reads top to bottom: ``setup()`` builds the run and the channel step, ``train()`` is
 the loop. The channel step is ``ComposerObjective`` with channel 1 alone, the step A2-A4 and
@@ -32,7 +33,7 @@ from torchtune import training
 from composer_tune import config
 from composer_tune.channels.composer import ComposerChannels, ComposerObjective, StepData
 from composer_tune.distributed import setup_distributed
-from composer_tune.run.loop import epoch_batches, print_accuracy_summary
+from composer_tune.run.loop import print_accuracy_summary
 from composer_tune.run.rl import RLRun
 from composer_tune.run.schema import RLRecipeConfig
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
@@ -70,11 +71,11 @@ class GRPORecipe:
         if not run.resumed and cfg.eval_at_start:
             progress.record_before(self.evaluate())
         chores = run.chores(self.evaluate, self.save_checkpoint)
-        prompts = epoch_batches(run.task.loader, run.task.sampler, progress)
+        rollouts = run.rollouts(self.objective.reference)
         with StopRequest(self.dist) as stop:
             while progress.step < cfg.max_steps:
                 # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
-                rollout = run.rollout(next(prompts), self.objective.reference)
+                rollout = next(rollouts)
                 # 2. Group-relative advantages (after the KL penalty, in kl_mode=reward).
                 batch = self.objective.prepare(rollout, advantage_sign=cfg.advantage_sign)
                 # 3. Optimiser steps on its slices, num_iterations times (logged, evaluated).

@@ -41,7 +41,7 @@ from composer_tune import config
 from composer_tune.channels.composer import ComposerChannels, ComposerObjective, StepData
 from composer_tune.channels.sdpo.teacher import setup_sdpo_teacher
 from composer_tune.distributed import setup_distributed
-from composer_tune.run.loop import epoch_batches, print_accuracy_summary
+from composer_tune.run.loop import print_accuracy_summary
 from composer_tune.run.rl import RLRun
 from composer_tune.run.schema import RLRecipeConfig, SDPOChannelConfig
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
@@ -86,11 +86,11 @@ class SDPORecipe:
         if not run.resumed and cfg.eval_at_start:
             progress.record_before(self.evaluate())
         chores = run.chores(self.evaluate, self.save_checkpoint)
-        prompts = epoch_batches(run.task.loader, run.task.sampler, progress)
+        rollouts = run.rollouts(self.objective.reference)
         with StopRequest(self.dist) as stop:
             while progress.step < cfg.max_steps:
                 # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.
-                rollout = run.rollout(next(prompts), self.objective.reference)
+                rollout = next(rollouts)
                 # 2-3. Advantages and SDPO's hinted teacher contexts (each row sees its group).
                 batch = self.objective.prepare(rollout, advantage_sign=cfg.advantage_sign)
                 # 4. Optimiser steps on its slices, num_iterations times (logged, evaluated).

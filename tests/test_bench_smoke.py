@@ -87,6 +87,33 @@ def test_rl_step_bench_prints_phases_per_variant() -> None:
 
 
 @pytest.mark.slow
+def test_rl_step_bench_times_asynchronous_variants_in_blocks() -> None:
+    small = "warm_start=null num_prompts_per_generation=2 group_size=2 max_new_tokens=4"
+    out = _run(
+        "bench_rl_step.py",
+        *("--config", "cpu_smoke", "--warmup", "1", "--repeats", "2", "--rounds", "1"),
+        *("--variant", f"{small} rollout.max_staleness=0"),
+        *("--variant", f"{small} rollout.max_staleness=1"),
+    )
+    assert "loop mode: 1 rounds of 1 warm-up + 2 timed steps" in out, out
+    rows = re.findall(
+        r"^warm_start=null.*?max_staleness=(\d)\s+(trainer 1.*?)\s{2,}([\d.]+)\s+([\d.]+)\s+"
+        r"([\d.]+)x\s+(\S+)\s+([\d.]+)$",
+        out,
+        re.M,
+    )
+    assert [(row[0], row[1]) for row in rows] == [
+        ("0", "trainer 1 (samples too)"),
+        ("1", "trainer 1 + worker 1"),
+    ], out
+    (_, _, step_0, per_hour_0, speed_up_0, wait_0, stale_0), stale_row = rows
+    assert float(step_0) > 0 and abs(3600 / float(step_0) - float(per_hour_0)) < 1
+    assert float(speed_up_0) == 1.0 and wait_0 == "-" and float(stale_0) == 0
+    # After the warm-up step every batch of the worker is exactly one step old.
+    assert float(stale_row[6]) == 1.0 and float(stale_row[5]) >= 0
+
+
+@pytest.mark.slow
 def test_checkpoint_save_bench_prints_size_and_time() -> None:
     out = _run("bench_checkpoint_save.py", "--recipe", "grpo", "--config", "cpu_smoke")
     match = re.search(r"([\d.]+)M parameters, (\d+) MB per checkpoint, ([\d.]+)-([\d.]+) s", out)

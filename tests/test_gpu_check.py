@@ -23,7 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
-PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon")
+PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon", "async")
 
 
 def _load(path: Path) -> ModuleType:
@@ -129,6 +129,15 @@ def test_dry_run_reports_every_part_with_numbers(dry_run) -> None:
     assert adamw_row["step_s"] > 0 and muon_row["step_s"] > 0
     assert muon_row["ratio"] == pytest.approx(muon_row["step_s"] / adamw_row["step_s"])
     assert equal_row["status"] == "PASS" and equal_row["max_abs_diff"] <= 1e-6
+
+    timed = parts["async"]
+    assert timed["status"] == "INFO"
+    synchronous, stale = timed["rows"]
+    assert (synchronous["max_staleness"], stale["max_staleness"]) == (0, 1)
+    assert synchronous["staleness"] == 0 and synchronous["wait_s"] is None
+    # After its warm-up step every batch of the worker is exactly one step behind.
+    assert stale["staleness"] == 1 and stale["wait_s"] >= 0 and "worker 1" in stale["threads"]
+    assert synchronous["step_s"] > 0 and stale["speed_up"] > 0
 
     markdown = (out / "report.md").read_text()
     for name in PARTS:

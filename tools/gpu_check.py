@@ -55,6 +55,10 @@ The parts, all in bf16 (``docs/gpu/README.md`` has the goals and how to run them
   Qwen3-8B in bf16 (as many layers as fit, its 152k vocabulary), bench/bench_muon_step.py's code
   (imported); timed, no goal. Also a correctness row, always judged: Muon's step on one
   Qwen3-8B MLP matrix on the device equals ``torch.optim.Muon``'s (both bf16 Newton-Schulz).
+- ``async``: steps per hour of ``recipes/grpo.py``'s own ``train()`` at ``rollout.max_staleness``
+  0 (the trainer samples each batch itself) and 1 (a rollout worker process on the same device
+  samples the next batch while the current one trains), in turn, on the peer part's model,
+  fp32: bench/bench_rl_step.py's loop mode, imported; goal: staleness 1 faster than 0.
 
 A part that cannot run (a package missing, an import that fails on this torch) is recorded as
 skipped with the reason; any other error is recorded with its message and the remaining parts
@@ -86,6 +90,8 @@ Sizes and time (one H100; each part must finish well inside a 10-minute command)
   Muon's fp32 buffer: one optimizer at a time), all 36 layers on an H200 (~73 GB); Muon's
   Newton-Schulz is ~19 TFLOP per layer, about a second a step at full size: 2 warm-up and 5
   timed steps each, a minute or two with the model's random initialisation.
+- async: 8 prompts x 8 completions of at most 128 tokens, 2 warm-up + 6 timed steps, 2 rounds
+  of each setting, plus a worker start (~10-30 s) per staleness-1 block: about 3-5 minutes.
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ try:
 except ImportError as import_error:  # the only hard requirement besides the standard library
     sys.exit(f"error: gpu_check needs torch ({import_error})")
 
-PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon")
+PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon", "async")
 DEFAULT_OUT_DIR = REPO_ROOT / "docs" / "gpu"  # the committed report (CUDA, full sizes)
 GIB = 2**30
 MIB = 2**20
@@ -131,6 +137,7 @@ PART_SECONDS_WARN = 9 * 60
 MEMORY_GOAL = 0.10  # |estimate / measured peak - 1|
 MFU_GOAL = 0.45
 PEER_GOAL = 1.0  # TRL median step / composer-tune median step
+ASYNC_GOAL = 1.0  # seconds per step at rollout.max_staleness 0 / at 1 (one device)
 SAMPLING_GOAL = 1.0  # native engine tokens/s / transformers' static-cache generate tokens/s
 PEER_PHASES = ("generation", "train log-prob forward", "other")
 # Dense bf16 peak per GPU, matched against the device name in this order (PCIe/NVL first).
@@ -1376,6 +1383,69 @@ def run_muon(settings: Settings) -> PartResult:
     )
 
 
+# ----------------------------------------------------------------------------- async
+
+
+def run_async(settings: Settings) -> PartResult:
+    require("torchtune")
+    from bench import bench_grpo_vs_trl, bench_rl_step
+
+    if settings.tiny:
+        model, sizes = "tiny", ["num_prompts_per_generation=2", "group_size=4", "max_new_tokens=8"]
+        timing = ["--warmup", "1", "--repeats", "2", "--rounds", "1"]
+    else:  # the peer part's Qwen3-0.6B layer shape (a random model rarely stops early)
+        model = "qwen3-0.6b-4l"
+        sizes = ["num_prompts_per_generation=8", "group_size=8", "max_new_tokens=128"]
+        timing = ["--warmup", "2", "--repeats", "6", "--rounds", "2"]
+    common = [
+        "warm_start=null", f"device={settings.device.type}", "dtype=fp32", "eval_dataset=null",
+        "enable_thinking=false", "reward._component_=composer_tune.rewards.FormatReward",
+        r"reward.pattern=\d*[13579]$", "micro_batch_size=64", *sizes,
+        *(f"model.{k}={v}" for k, v in bench_grpo_vs_trl.RANDOM_MODELS[model].items()),
+    ]  # fmt: skip
+    variants = [" ".join([*common, f"rollout.max_staleness={k}"]) for k in (0, 1)]
+    argv = ["--config", "cpu_smoke", "--threads", str(torch.get_num_threads()), *timing]
+    args = bench_rl_step.parse_args([*argv, *(x for v in variants for x in ("--variant", v))])
+    with tempfile.TemporaryDirectory() as tmp:
+        results = bench_rl_step.measure_loops(args, Path(tmp))
+    rows = []
+    for staleness, result in enumerate(results):
+        rows.append(
+            {
+                "max_staleness": staleness,
+                "step_s": result["step_s"],
+                "steps_per_hour": result["steps_per_hour"],
+                "speed_up": result["speed_up"],
+                "wait_s": result["wait_s"],
+                "staleness": result["staleness"],
+                "threads": result["threads"],
+                "status": settings.verdict(result["speed_up"] > ASYNC_GOAL)
+                if staleness
+                else "INFO",
+            }
+        )
+    return PartResult(
+        columns=[
+            ("max_staleness", "rollout.max_staleness", ""),
+            ("step_s", "median s / step", ".3f"),
+            ("steps_per_hour", "steps / hour", ".0f"),
+            ("speed_up", "speed-up over 0", ".2f"),
+            ("wait_s", "s a step waited for rollouts", ".3f"),
+            ("staleness", "mean row staleness", ".2f"),
+            ("threads", "CPU threads", ""),
+        ],
+        rows=rows,
+        notes=[
+            f"bench/bench_rl_step.py's loop mode (imported): recipes/grpo.py's train() on "
+            f"random {model} ({', '.join(sizes)}), {args.warmup} warm-up + {args.repeats} timed "
+            f"steps per block, {args.rounds} rounds, the two settings in turn; at staleness 1 "
+            "the rollout worker (its own process, native engine) shares the device with the "
+            "trainer and samples the next batch while the current one trains.",
+            f"Goal: seconds per step at max_staleness 0 / at 1 > {ASYNC_GOAL:g}.",
+        ],
+    )
+
+
 PART_FUNCTIONS: dict[str, Callable[[Settings], PartResult]] = {
     "parity": run_parity,
     "memory": run_memory,
@@ -1383,6 +1453,7 @@ PART_FUNCTIONS: dict[str, Callable[[Settings], PartResult]] = {
     "sampling": run_sampling,
     "peer": run_peer,
     "muon": run_muon,
+    "async": run_async,
 }
 
 

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from composer_tune.teachers.local_server import (
-    LocalServerError,
     LocalServerSettings,
     LocalTeacherServer,
+    add_server_arguments,
+    serve_until_signalled,
+    server_settings,
 )
 
 
@@ -42,18 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="HF checkpoint directory (default: the imported SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--served-model-name", default="smollm2", help="the requests' 'model'")
-    parser.add_argument("--port", type=int, default=8011, help="port on 127.0.0.1 (0: any free)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+answer")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="requests batched together")
-    parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size (GiB)")
-    parser.add_argument("--dtype", default="float32", help="vLLM --dtype")
+    add_server_arguments(
+        parser, model_name="smollm2", port=8011, max_num_seqs=8,
+        log=Path("outputs/serve_teacher.log"),
+    )  # fmt: skip
     parser.add_argument(
         "--own-chat-template",
         action="store_true",
@@ -64,50 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="LOCAL_TEACHER_API_KEY",
         help="environment variable whose value, if set, the server requires as its API key",
     )
-    parser.add_argument(
-        "--log", type=Path, default=Path("outputs/serve_teacher.log"), help="server log file"
-    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.model_dir is None:
-        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
-
-        args.model_dir = smollm2_checkpoint()
     own_template = args.own_chat_template
-    settings = LocalServerSettings(
-        model_dir=args.model_dir,
-        served_model_name=args.served_model_name,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        dtype=args.dtype,
+    settings = server_settings(
+        args,
         chat_template=None if own_template else LocalServerSettings.chat_template,
         tool_call_parser=None if own_template else LocalServerSettings.tool_call_parser,
     )
     server = LocalTeacherServer(
         settings, log_path=args.log, api_key=os.environ.get(args.api_key_env) or None
     )
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    print(f"starting vLLM on {args.model_dir} (log: {args.log}) ...", flush=True)
-    try:
-        server.start()
-    except LocalServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    try:
-        print(f"teacher server ready at {server.base_url} (model {args.served_model_name!r}); "
-              "Ctrl-C stops it", flush=True)  # fmt: skip
-        stopped.wait()
-    finally:
-        server.stop()
-    print("teacher server stopped", flush=True)
-    return 0
+    return serve_until_signalled(server, "teacher server")
 
 
 if __name__ == "__main__":

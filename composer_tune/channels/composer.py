@@ -89,13 +89,18 @@ class ComposerChannels:
     def from_config(cls, cfg: DictConfig, dist: DistInfo) -> ComposerChannels:
         """From a recipe config's ``loss``, ``sdpo`` and ``dpo`` sections (absent or null:
         defaults, i.e. channel 1 at weight 1, channels 2 and 3 off: A1 has neither section);
-        bad values raise naming the section. ``dist``: the launch, which some channel-2
+        bad values raise naming the section. With ``rollout.max_staleness >= 1`` a null
+        ``loss.sampling_correction`` is ``token_truncate``: the rows' staleness is corrected. ``dist``: the launch, which some channel-2
         settings depend on."""
         section = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.loss is not None else {}
         weight = float(section.pop("weight", 1.0))
         if weight < 0:
             raise ValueError(f"loss.weight must be >= 0, got {weight}")
         section.setdefault("max_completion_length", cfg.max_new_tokens)
+        staleness = (cfg.get("rollout") or {}).get("max_staleness", 0)
+        if staleness > 0 and not section.get("sampling_correction"):
+            # Rows sampled by older weights: the loss reweights them (async_rollouts).
+            section["sampling_correction"] = "token_truncate"
         channels = cls(
             policy_weight=weight,
             loss=PolicyLossConfig.from_mapping(section, source="loss"),

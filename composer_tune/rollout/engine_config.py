@@ -43,17 +43,68 @@ class VLLMSection:
 
 
 @dataclass
+class RolloutWorkerSection:
+    """``rollout.worker``: the rollout worker process beside the trainer
+    (:mod:`composer_tune.rollout.async_rollouts`), used when ``max_staleness >= 1`` or a
+    ``server.url`` is set.
+
+    Attributes:
+        threads: the worker's torch threads (null: the trainer's count).
+        device: where the worker's copy of the policy runs ("cpu", "cuda:1"; null: the
+            trainer's device).
+        max_restarts: dead workers replaced in one run before it stops with an error.
+        start_timeout_s: seconds a worker may take to start (import, build, first weights).
+    """
+
+    threads: int | None = None
+    device: str | None = None
+    max_restarts: int = 3
+    start_timeout_s: float = 600.0
+
+
+@dataclass
+class RolloutServerSection:
+    """``rollout.server``: generation on a vLLM server elsewhere, through its OpenAI-compatible
+    API, with the trainer's weights pushed over torch.distributed (``tools/serve_rollouts.py``
+    starts such a server).
+
+    Attributes:
+        url: the server's base URL (``http://host:port``; null: no server).
+        weight_sync: "gloo", "nccl" or "auto" (nccl when the worker's device is a GPU).
+        push_every_n_steps: optimiser steps between weight pushes (``max_staleness`` must be
+            at least this minus 1, so that every batch can be sampled in bounds).
+        group_host: the address the server reaches the worker's weight group at (null: the
+            address this machine uses to reach the server).
+        timeout_s: seconds one generation request or weight push may take.
+    """
+
+    url: str | None = None
+    weight_sync: str = "auto"
+    push_every_n_steps: int = 1
+    group_host: str | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass
 class RolloutSection:
-    """``rollout``: which engine samples the completions of the RL recipes.
+    """``rollout``: which engine samples the completions of the RL recipes, and where.
 
     Attributes:
         engine: "native", "vllm" or "auto" (vLLM if it is installed and starts for this
             model and these settings, else native; the run prints which).
         vllm: the vLLM engine's settings (read with ``engine: vllm`` or ``auto``).
+        max_staleness: 0 samples each batch with the current weights in the trainer's process
+            (the synchronous step); k >= 1 generates later batches in a rollout worker while
+            the current one trains, with weights at most k optimiser steps old.
+        worker: the rollout worker's settings.
+        server: a remote vLLM server that generates instead of ``engine``.
     """
 
     engine: str = "native"
     vllm: VLLMSection = field(default_factory=VLLMSection)
+    max_staleness: int = 0
+    worker: RolloutWorkerSection = field(default_factory=RolloutWorkerSection)
+    server: RolloutServerSection = field(default_factory=RolloutServerSection)
 
 
 def vllm_available() -> bool:

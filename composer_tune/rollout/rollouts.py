@@ -79,6 +79,9 @@ class RolloutBatch:
         window_truncated: ``bool[N]`` the model's window (``max_seq_len``, a vLLM engine's
             ``max_model_len``) stopped the row: it was cut there (and is ``truncated``), or its
             prompt alone filled the window (no completion, unscored); None: never.
+        policy_version: ``long[N]`` the optimiser step whose weights sampled each row, for rows
+            a rollout worker or server sampled (``composer_tune.rollout.async_rollouts``);
+            None: the trainer's current weights sampled them.
     """
 
     tokens: Tensor
@@ -99,6 +102,7 @@ class RolloutBatch:
     sampling_logp: Tensor | None = None
     episodes: list[EpisodeRecord] | None = None
     window_truncated: Tensor | None = None
+    policy_version: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -290,6 +294,30 @@ def _batched_logprobs(
     finally:
         model.train(was_training)
     return torch.cat(parts).float()
+
+
+def batch_logprobs(
+    model: nn.Module,
+    rows: RolloutBatch,
+    *,
+    temperature: float,
+    chunk_size: int,
+    forward_batch_size: int,
+    shared_prefix: bool,
+) -> Tensor:
+    """No-grad log-probs of ``rows``' completion tokens under ``model``, in the target frame:
+    the old or reference pass over rows sampled elsewhere (a rollout worker's)."""
+    return _batched_logprobs(
+        model,
+        rows.tokens,
+        rows.input_pos,
+        rows.completion_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        forward_batch_size=forward_batch_size,
+        group_ids=rows.group_ids if shared_prefix else None,
+        prompt_lengths=rows.prompt_lengths if shared_prefix else None,
+    )
 
 
 def collect_rollouts(

@@ -94,7 +94,7 @@ class _PushTally:
         self.bytes += tensor.nbytes
 
 
-def _refresh_tied_output_head(worker: Any) -> None:
+def refresh_tied_output_head(worker: Any) -> None:
     """Re-derives a tied output head's kernel from the reloaded embedding (runs in vLLM's
     worker). vLLM's in-place reload loads no weight into a tied ``lm_head`` (the checkpoint
     names it ``embed_tokens``) and so skips its post-load step, which on CPU packs the weight
@@ -349,7 +349,7 @@ class VLLMEngine:
                 kwargs={"weights_iterator": _streamed_hf_weights(model, self.dtype, tally)},
             )
         if tied:
-            self.llm.collective_rpc(_refresh_tied_output_head)
+            self.llm.collective_rpc(refresh_tied_output_head)
         if not self._pushed and self._is_main:
             print(
                 f"vLLM weight push: {tally.tensors} tensors, {tally.parameters / 1e6:.1f}M "

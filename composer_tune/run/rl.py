@@ -10,7 +10,7 @@ builds its :class:`~composer_tune.channels.composer.ComposerObjective` beside th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,11 @@ from composer_tune.checkpointing.run_state import remove_checkpoints
 from composer_tune.checkpointing.warm_start import initial_checkpoint
 from composer_tune.distributed import DistInfo, teardown_distributed
 from composer_tune.evaluation import EvalResult
+from composer_tune.rollout.async_rollouts import (
+    AsyncRollouts,
+    check_rollout_section,
+    uses_rollout_worker,
+)
 from composer_tune.rollout.engines import build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch
 from composer_tune.run.lengths import check_prompt_lengths
@@ -37,6 +42,7 @@ from composer_tune.run.loop import (
     build_sampling_generator,
     check_rl_batch_layout,
     clip_and_step,
+    epoch_batches,
     evaluate_generation,
     restore_run,
     save_checkpoint,
@@ -66,7 +72,9 @@ class RLRun:
         at set-up), progress (the resumable state),
         initial (the starting checkpoint: a warm start's, ``checkpoint.initial_checkpoint`` or
         None), current (the checkpoint the policy was loaded from), resumed, identity; and, after
-        :meth:`finish_setup`, engine and metric_log.
+        :meth:`finish_setup`, engine (the colocated vLLM engine, or None), stream (the rollout
+        worker's :class:`AsyncRollouts` with ``rollout.max_staleness >= 1`` or a server, else
+        None) and metric_log.
     """
 
     def __init__(
@@ -82,6 +90,8 @@ class RLRun:
     ) -> None:
         self.cfg, self.dist, self.channels = cfg, dist, channels
         check_rl_batch_layout(cfg, dist)
+        # Staleness and where generation runs (an unreachable server fails here).
+        check_rollout_section(cfg.rollout, dist)
         # Agent episodes (an ``agent`` section: environments, tools, turn limits) or one turn.
         self.agent = build_agent(cfg.agent)
         self.tokenizer = config.instantiate(cfg.tokenizer)
@@ -108,6 +118,7 @@ class RLRun:
             ),
         )
         self.engine: Any = None
+        self.stream: AsyncRollouts | None = None
         self.metric_log: MetricLog | None = None
 
     @property
@@ -140,9 +151,21 @@ class RLRun:
     def finish_setup(self) -> None:
         """Set-up's last acts, once the config and inputs are validated (a start that fails
         writes no log or config record into ``output_dir``): the rollout engine, from the
-        policy's current weights (none when channel 3 alone samples nothing), the metric log,
-        and deleting the checkpoints ``replace_existing`` replaces."""
-        if self.channels.needs_rollouts:
+        policy's current weights (none when channel 3 alone samples nothing; the rollout
+        worker's, started here, with ``rollout.max_staleness >= 1`` or a server), the metric
+        log, and deleting the checkpoints ``replace_existing`` replaces."""
+        if self.channels.needs_rollouts and uses_rollout_worker(self.cfg.rollout):
+            self.stream = AsyncRollouts(
+                self.cfg, model=self.model, progress=self.progress, loader=self.task.loader,
+                sampler=self.task.sampler, checkpoint=self.current, dist_info=self.dist,
+            )  # fmt: skip
+            try:  # a worker that cannot sample stops the set-up
+                self.stream.wait_until_ready()
+            except BaseException:
+                self.stream.close()
+                raise
+            self._say_staleness()
+        elif self.channels.needs_rollouts:
             self.engine = build_rollout_engine(
                 self.cfg, self.model, self.dist, step=self.progress.step
             )
@@ -181,6 +204,47 @@ class RLRun:
             agent=self.agent,
         )
 
+    def rollouts(
+        self, reference: Any = None, *, push_always: bool = False
+    ) -> Iterator[RolloutBatch]:
+        """Every generation batch's rollouts in turn, from the run's data position on: sampled
+        here by :meth:`rollout` (``max_staleness: 0``), or by the rollout worker ahead of
+        training (:class:`AsyncRollouts`; the trainer then adds the old and ``reference``
+        log-probs with its current weights)."""
+        if self.stream is None:  # epoch_batches never ends
+            for samples in epoch_batches(self.task.loader, self.task.sampler, self.progress):
+                yield self.rollout(samples, reference, push_always=push_always)
+            return
+        settings = {
+            "temperature": self.cfg.temperature,
+            "chunk_size": self.cfg.logprob_chunk_size,
+            "forward_batch_size": self.cfg.micro_batch_size,
+            "shared_prefix": self.cfg.shared_prefix_forward,
+        }
+        while True:
+            yield self.stream.next_batch(
+                reference=reference if self.channels.kl_reference else None,
+                compute_old_logp=self.channels.needs_old_logp(self.on_policy),
+                logprob_settings=settings,
+            )
+
+    def _say_staleness(self) -> None:
+        section, loss = self.cfg.rollout, self.channels.loss
+        where = (
+            f"the vLLM server at {section.server.url}" if section.server.url else "a rollout worker"
+        )
+        correction = (
+            f", corrected by loss.sampling_correction={loss.sampling_correction} "
+            f"(cap {loss.sampling_correction_cap})"
+            if loss.sampling_correction is not None
+            else ""
+        )
+        print(
+            f"rollout.max_staleness={section.max_staleness}: {where} samples with weights at most "
+            f"{section.max_staleness} optimiser steps old{correction}",
+            flush=True,
+        )
+
     def apply(
         self,
         losses: StepLosses,
@@ -208,6 +272,9 @@ class RLRun:
             "lr": self.optimizer.param_groups[0]["lr"],
             **self.progress.guard.metrics(),
         }
+        if self.stream is not None:  # the worker samples from the new weights from now on
+            self.stream.publish(self.progress.step + 1)
+            metrics.update(self.stream.metrics(self.progress.step))
         return metrics, losses.tokens
 
     def evaluate_generation(self, where: str | None = None) -> EvalResult | None:
@@ -230,9 +297,12 @@ class RLRun:
         )  # fmt: skip
 
     def close(self) -> None:
-        """Stops the engine, closes the metric log, leaves the process group."""
+        """Stops the engine or the rollout worker, closes the metric log, leaves the process
+        group."""
         if self.engine is not None:
             self.engine.close()
+        if self.stream is not None:
+            self.stream.close()
         if self.metric_log is not None:
             self.metric_log.close()
         teardown_distributed()

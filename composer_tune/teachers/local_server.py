@@ -23,15 +23,18 @@ leaves behind, holding RAM until reboot.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -58,6 +61,10 @@ class LocalServerSettings:
     chat_template: Path | None = TOOL_CALL_TEMPLATE  # None: the checkpoint's own template
     tool_call_parser: str | None = "hermes"  # None: tools are not parsed (plain text answers)
     enforce_eager: bool = True  # on CPU: starts in ~20 s instead of ~60 s of compilation
+    # Serves rollouts for training (rollout.server.url): vLLM's dev mode (/collective_rpc), the
+    # weight receiver the trainer's pushes need, log-probs of the distribution sampled from.
+    rollout_server: bool = False
+    host: str = "127.0.0.1"  # the address it listens on (0.0.0.0: every interface)
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
 
@@ -96,7 +103,9 @@ class LocalTeacherServer:
     @property
     def base_url(self) -> str:
         """The ``base_url`` a teacher config or OpenAI client uses (ends in ``/v1``)."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        listening_everywhere = self.settings.host in ("0.0.0.0", "::")
+        host = "127.0.0.1" if listening_everywhere else self.settings.host
+        return f"http://{host}:{self.port}/v1"
 
     def command(self) -> list[str]:
         """The server's command line."""
@@ -105,7 +114,7 @@ class LocalTeacherServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(settings.model_dir),
             "--served-model-name", settings.served_model_name,
-            "--host", "127.0.0.1",
+            "--host", settings.host,
             "--port", str(self.port),
             "--dtype", settings.dtype,
             "--max-model-len", str(settings.max_model_len),
@@ -116,6 +125,13 @@ class LocalTeacherServer:
             command.append("--enforce-eager")
         if settings.chat_template is not None:
             command += ["--chat-template", str(settings.chat_template)]
+        if settings.rollout_server:
+            command += [
+                "--worker-extension-cls",
+                "composer_tune.rollout.async_rollouts.WeightReceiver",
+                "--logprobs-mode",
+                "processed_logprobs",
+            ]
         if settings.tool_call_parser is not None:
             command += [
                 "--enable-auto-tool-choice",
@@ -128,6 +144,8 @@ class LocalTeacherServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib)}
         # Unbound OpenMP threads: binding to cores fails in containers with restricted CPU sets.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.settings.rollout_server:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.pop("VLLM_API_KEY", None)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
@@ -274,3 +292,68 @@ class LocalTeacherServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def serve_until_signalled(server: LocalTeacherServer, what: str) -> int:
+    """A command's life: starts ``server``, says ``what`` is ready where, waits for Ctrl-C or
+    SIGTERM, stops it. Returns the exit status: 0 after a stop, 1 (with an ``error:`` line)
+    when it cannot start."""
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    print(f"starting vLLM on {server.settings.model_dir} (log: {server.log_path}) ...", flush=True)
+    try:
+        server.start()
+    except LocalServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    try:
+        print(f"{what} ready at {server.base_url} (model {server.settings.served_model_name!r}); "
+              "Ctrl-C stops it", flush=True)  # fmt: skip
+        stopped.wait()
+    finally:
+        server.stop()
+    print(f"{what} stopped", flush=True)
+    return 0
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser, *, model_name: str, port: int, max_num_seqs: int, log: Path
+) -> None:
+    """The command-line options of a server command (``tools/serve_teacher.py``,
+    ``tools/serve_rollouts.py``), with that command's defaults; see :func:`server_settings`."""
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="HF checkpoint directory (default: the imported SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--served-model-name", default=model_name, help="the requests' 'model'")
+    parser.add_argument("--port", type=int, default=port, help="port (0: any free)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+answer")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=max_num_seqs, help="requests batched together"
+    )
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size (GiB)")
+    parser.add_argument("--dtype", default="float32", help="vLLM --dtype")
+    parser.add_argument("--log", type=Path, default=log, help="server log file")
+
+
+def server_settings(args: argparse.Namespace, **settings: Any) -> LocalServerSettings:
+    """The settings :func:`add_server_arguments`' options give (no ``--model-dir``: SmolLM2,
+    imported on first use), with ``settings`` on top."""
+    model_dir = args.model_dir
+    if model_dir is None:
+        from composer_tune.checkpointing.gguf_import import smollm2_checkpoint
+
+        model_dir = smollm2_checkpoint()
+    return LocalServerSettings(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        dtype=args.dtype,
+        **settings,
+    )
