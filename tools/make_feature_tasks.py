@@ -69,6 +69,11 @@ from composer_tune.data.feature_tasks import (  # noqa: E402
     write_archive,
 )
 from composer_tune.rewards.repository import grade_repository  # noqa: E402
+from composer_tune.rewards.sandbox import (  # noqa: E402
+    WEAKER_ISOLATION,
+    PrivateRootUnavailable,
+    isolation_in_effect,
+)
 
 _LICENSE_NAMES = re.compile(r"^(LICEN[CS]E|COPYING)(\.(txt|md|rst))?$", re.IGNORECASE)
 _COPYLEFT = re.compile(r"GNU (AFFERO |LESSER )?GENERAL PUBLIC|Mozilla Public License", re.I)
@@ -106,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-candidates", type=int, default=400, help="candidates considered per repository"
     )
     parser.add_argument("--workers", type=int, default=2, help="candidates tried at once")
+    parser.add_argument(
+        "--weaker-isolation",
+        choices=WEAKER_ISOLATION,
+        help="run where the sandbox cannot build its private root (refused otherwise)",
+    )
     parser.add_argument(
         "--allow-copyleft",
         action="store_true",
@@ -299,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tasks=args.max_tasks, max_candidates=args.max_candidates, workers=args.workers
     )
     store: Path = args.store
+    try:
+        isolation_in_effect(args.weaker_isolation, "make_feature_tasks")
+    except PrivateRootUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.check:
         try:
             return 1 if check_store(store, settings) else 0

@@ -51,7 +51,7 @@ from composer_tune.rewards.sandbox import (
     Mount,
     SandboxLimits,
     SandboxResult,
-    private_root_available,
+    isolation_in_effect,
     run_command,
 )
 from composer_tune.rewards.split import pytest_runtime
@@ -102,6 +102,10 @@ class RepositoryEnvironment:
         memory_mb: address-space limit of each sandboxed process.
         partial_credit: reward the fraction of hidden tests passed (else 1 only when all pass).
         output_chars: the most characters of output one tool call returns.
+        weaker_isolation: where the host cannot build the sandbox's private root (not root, no
+            mount namespaces), construction fails unless this names the weaker isolation
+            accepted instead: "host_filesystem" (commands see the host's files; a warning
+            says so). See docs/sandbox.md.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class RepositoryEnvironment:
         memory_mb: int = 1024,
         partial_credit: bool = False,
         output_chars: int = 4000,
+        weaker_isolation: str | None = None,
     ) -> None:
         for name, value in (
             ("command_time_s", command_time_s),
@@ -141,6 +146,7 @@ class RepositoryEnvironment:
         self.per_test_timeout_s = per_test_timeout_s
         self.partial_credit = partial_credit
         self.output_chars = output_chars
+        self.isolation = isolation_in_effect(weaker_isolation, "RepositoryEnvironment")
         self.task: FeatureTask | None = None
         self.store: Path | None = None
         self.tree: Path | None = None
@@ -332,7 +338,7 @@ class RepositoryEnvironment:
 
     def _run(self, argv: list[str], limits: SandboxLimits) -> SandboxResult:
         task, tree = self._started()
-        jailed = private_root_available()
+        jailed = self.isolation == "private_root"
         repo = REPO_TARGET if jailed else str(tree)
         lib = PYTEST_TARGET if jailed else str(pytest_runtime())
         root = os.path.join(repo, task.import_root).rstrip("/")
