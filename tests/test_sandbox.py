@@ -341,7 +341,9 @@ def test_allow_listed_root_hides_the_host(planted_on_the_host: list[str]) -> Non
         " 'etc': os.path.exists('/etc'), 'modules': [m for m in ('json', 'ssl', 'sqlite3',"
         " 'decimal', 'ctypes', 'zlib', 'lzma') if __import__(m)]}))\n"
     )
-    result = run_python(code, limits=LIMITS, stdin=json.dumps(planted_on_the_host))
+    # grep reads the whole root (about 130 MB): a clock for a loaded machine.
+    limits = SandboxLimits(wall_time_s=120.0, cpu_time_s=120.0, max_processes=8)
+    result = run_python(code, limits=limits, stdin=json.dumps(planted_on_the_host))
     assert result.status == "ok", result.stderr
     seen = json.loads(result.stdout)
     assert seen["planted"] == [False] * len(planted_on_the_host) and seen["grep"] == ""

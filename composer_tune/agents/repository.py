@@ -4,7 +4,8 @@ repository with one feature removed; the agent lists, reads, searches and edits 
 runs commands and the visible tests in the sandbox; ``get_reward()`` runs the hidden tests
 through the split grader (``composer_tune.rewards.repository``), out of the working copy's
 reach, and its failing test's report becomes the episode's feedback (SDPO's hint at the final
-answer's error turn).
+answer's error turn). ``reset`` refuses a task whose deleted code the sandbox shows anywhere
+(``composer_tune.data.task_leaks``): the episode is then not scored.
 
 ```yaml
 agent:
@@ -40,6 +41,7 @@ from composer_tune.data.feature_tasks import (
     materialize_tests_tree,
     task_from_sample,
 )
+from composer_tune.data.task_leaks import refuse_reachable
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rewards.repository import (
     PYTEST_TARGET,
@@ -166,6 +168,9 @@ class RepositoryEnvironment:
         self.tree = Path(scratch) / "repo"
         materialize_agent_tree(self.store, self.task, self.tree)
         self.tree.chmod(0o755)
+        # A task whose deleted code the sandbox shows is no task: refuse the episode (unscored).
+        if self.isolation == "private_root":
+            refuse_reachable(self.store, self.task, self.tree)
         self.reward_feedback, self.last_grade = "", None
         visible = ", ".join(self.task.visible_tests[:20])
         return (

@@ -220,6 +220,15 @@ def load_feature_tasks(store: str | Path) -> list[FeatureTask]:
     return tasks
 
 
+def sample_tasks(tasks: Sequence[FeatureTask], per_source: int) -> list[FeatureTask]:
+    """``per_source`` tasks of each source, evenly spaced over its tasks in store order."""
+    chosen = []
+    for repo in dict.fromkeys(task.repo for task in tasks):
+        own = [task for task in tasks if task.repo == repo]
+        chosen += own[:: max(1, len(own) // per_source)][:per_source]
+    return chosen
+
+
 def archive_path(store: str | Path, repo: str) -> Path:
     return Path(store) / "sources" / f"{repo}.tar.gz"
 

@@ -29,6 +29,7 @@ import ctypes
 import dataclasses
 import functools
 import glob
+import hashlib
 import itertools
 import json
 import logging
@@ -299,7 +300,8 @@ def isolation_in_effect(weaker_isolation: str | None, who: str) -> str:
         )
     logger.warning(
         "%s: running with weaker_isolation=%s: the private root is unavailable (%s), "
-        "programs see the host's files (docs/sandbox.md)",
+        "programs see the host's files, copies of a task's deleted code and the task store "
+        "among them, and the leak check cannot clear them (docs/sandbox.md)",
         who,
         weaker_isolation,
         problem,
@@ -366,15 +368,8 @@ def private_root_plan() -> RootPlan:
         for path in sorted(glob.glob(os.path.join(extensions, "*.so")))
         if not os.path.basename(path).startswith(_EXTENSIONS_LEFT_OUT)
     ]
-    listed = subprocess.run([ldd, *loaded], capture_output=True, text=True, check=False)
-    libraries = set()
-    for line in listed.stdout.splitlines():
-        match = re.match(r"\s*(?:\S+ => )?(/\S+) \(0x", line)
-        if match:
-            libraries.add(match.group(1))
-    if not libraries:
-        raise PrivateRootUnavailable(f"ldd listed no libraries: {listed.stderr[-300:]}")
-    for library in sorted(libraries):
+    libraries = _libraries(ldd, loaded)
+    for library in libraries:
         add(library)
     for directory in {os.path.dirname(os.path.realpath(path)) for path in libraries}:
         for name in _DLOPENED:
@@ -390,6 +385,42 @@ def private_root_plan() -> RootPlan:
     )
     links = tuple((path, os.readlink(path)) for path in _TOP_LEVEL_LINKS if os.path.islink(path))
     return RootPlan(links, tuple(directories), tuple(hidden), tuple(sorted(files.items())))
+
+
+def _libraries(ldd: str, programs: Sequence[str]) -> list[str]:
+    """The shared libraries ``programs`` load, as ``ldd`` lists them. ldd runs the loader once
+    per program (seconds on a loaded machine), so its answer is kept in the cache folder
+    under the programs' paths, sizes and times, and used while every library still exists."""
+    from composer_tune import default_cache_dir
+
+    digest = hashlib.sha256(ldd.encode())
+    for path in programs:
+        info = os.stat(path)
+        digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    cache = default_cache_dir() / "sandbox" / f"libraries-{digest.hexdigest()[:32]}.json"
+    try:
+        libraries = json.loads(cache.read_text())
+        if libraries and all(os.path.isfile(path) for path in libraries):
+            return libraries
+    except (OSError, ValueError):
+        pass
+    listed = subprocess.run([ldd, *programs], capture_output=True, text=True, check=False)
+    found = set()
+    for line in listed.stdout.splitlines():
+        match = re.match(r"\s*(?:\S+ => )?(/\S+) \(0x", line)
+        if match:
+            found.add(match.group(1))
+    if not found:
+        raise PrivateRootUnavailable(f"ldd listed no libraries: {listed.stderr[-300:]}")
+    libraries = sorted(found)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(libraries))
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a read-only cache folder costs the next process the ldd run, nothing else
+    return libraries
 
 
 def _run(
