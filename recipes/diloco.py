@@ -84,7 +84,7 @@ from composer_tune.diloco import DiLoCoConfig, DiLoCoTrainer, OuterStepMetrics
 from composer_tune.diloco.config import restarted_by_launcher
 from composer_tune.distributed import setup_distributed
 from composer_tune.progress import progress_postfix
-from composer_tune.run.loop import epoch_batches, print_accuracy_summary, steps_per_generation_batch
+from composer_tune.run.loop import print_accuracy_summary, steps_per_generation_batch
 from composer_tune.run.rl import RLRun
 from composer_tune.run.schema import DPOChannelConfig, RLRecipeConfig, SDPOChannelConfig
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
@@ -229,7 +229,7 @@ class DiLoCoRecipe:
             self.evaluate, self.save_checkpoint, eval_every=0, bar_total=self.max_outer_steps,
             bar_initial=self.diloco.outer_step, bar_unit="sync",
         )  # fmt: skip
-        prompts = epoch_batches(run.task.loader, run.task.sampler, progress)
+        prompts = run.prompt_batches()
         saved_outer_step = self.diloco.outer_step if run.resumed else None
         with self.diloco:
             self.diloco.vote_to_stop(lambda: stop.signalled)

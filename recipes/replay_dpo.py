@@ -43,7 +43,7 @@ from composer_tune import config
 from composer_tune.channels.composer import ComposerChannels, ComposerObjective, StepData
 from composer_tune.channels.replay_dpo import pair_channel
 from composer_tune.distributed import setup_distributed
-from composer_tune.run.loop import epoch_batches, print_accuracy_summary
+from composer_tune.run.loop import print_accuracy_summary
 from composer_tune.run.rl import RLRun
 from composer_tune.run.schema import DPOChannelConfig, RLRecipeConfig
 from composer_tune.stop import STOPPED_EXIT_CODE, StopRequest
@@ -88,7 +88,7 @@ class ReplayDPORecipe:
         if not run.resumed:
             progress.record_before(*self.evaluate())
         chores = run.chores(self.evaluate, self.save_checkpoint)
-        prompts = epoch_batches(run.task.loader, run.task.sampler, progress)
+        prompts = run.prompt_batches()
         with StopRequest(self.dist) as stop:
             while progress.step < cfg.max_steps:
                 # 1. Rollout: G completions per prompt, rewards, old (and reference) log-probs.

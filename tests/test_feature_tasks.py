@@ -317,6 +317,9 @@ def test_store_round_trip_and_samples(small_store: Path) -> None:
     wrap = next(s for s in samples if s["id"].endswith(":wrap"))
     assert wrap["prompt"][1]["content"] == next(t for t in tasks if t.id == wrap["id"]).statement
     assert 'candidate = f"{current} {word}".strip()' in wrap["solution"]  # the removed code
+    # The class deleted whole is a harder variant of its method's task (the task sampler's).
+    counter = next(s for s in samples if s["id"].endswith(":Counter"))
+    assert counter["harder_than"] == [next(t.id for t in tasks if t.id.endswith("most_common"))]
     with pytest.raises(FeatureTaskError, match="no tasks for repos"):
         load_feature_task_dataset(small_store, repos=["nosuchrepo"])
 

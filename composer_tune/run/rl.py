@@ -10,10 +10,11 @@ builds its :class:`~composer_tune.channels.composer.ComposerObjective` beside th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from composer_tune import config
@@ -37,12 +38,14 @@ from composer_tune.run.loop import (
     build_sampling_generator,
     check_rl_batch_layout,
     clip_and_step,
+    epoch_batches,
     evaluate_generation,
     restore_run,
     save_checkpoint,
     start_run,
 )
 from composer_tune.run.state import RunProgress
+from composer_tune.run.task_sampler import TaskSampler, TaskSamplerSection
 
 
 class RLRun:
@@ -106,6 +109,16 @@ class RLRun:
             sampling_generator=build_sampling_generator(
                 dist, cfg.seed, replica_id * dist.world_size + dist.rank
             ),
+            task_sampler=None
+            if cfg.task_sampler is None
+            else TaskSampler(
+                self.task.dataset,
+                TaskSamplerSection(**cfg.task_sampler),
+                batch_size=cfg.num_prompts_per_generation,
+                dist=dist,
+                seed=cfg.seed,
+                stream=replica_id,
+            ),
         )
         self.engine: Any = None
         self.metric_log: MetricLog | None = None
@@ -159,6 +172,13 @@ class RLRun:
             save_checkpoint=save, **options,
         )  # fmt: skip
 
+    def prompt_batches(self) -> Iterator[list[dict[str, Any]]]:
+        """This rank's prompts, one generation batch at a time, from the run's position on:
+        drawn by the task sampler (a ``task_sampler`` section), else uniform shuffled epochs."""
+        if self.progress.task_sampler is not None:
+            return self.progress.task_sampler.batches()
+        return epoch_batches(self.task.loader, self.task.sampler, self.progress)
+
     def rollout(
         self, samples: list[dict[str, Any]], reference: Any = None, *, push_always: bool = False
     ) -> RolloutBatch:
@@ -166,7 +186,7 @@ class RLRun:
         of ``samples`` with the log-probs the channels read (``reference``: a frozen model whose log-probs a KL term reads). A vLLM
         engine gets the policy's weights unless it holds this step's already; ``push_always``:
         weights change between steps too (DiLoCo's syncs), so push every time."""
-        return sample_rollouts(
+        batch = sample_rollouts(
             self.model,
             samples,
             self.cfg,
@@ -180,6 +200,10 @@ class RLRun:
             policy_version=None if push_always else self.progress.step,
             agent=self.agent,
         )
+        if self.progress.task_sampler is not None:  # the drawn tasks' pass rates
+            scored = ~torch.isnan(batch.rewards)
+            batch.draw_metrics.update(self.progress.task_sampler.observe(batch.correct, scored))
+        return batch
 
     def apply(
         self,
