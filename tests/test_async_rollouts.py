@@ -311,6 +311,8 @@ def test_bad_rollout_settings_are_one_line_errors(tmp_path: Path) -> None:
          r"rollout.worker.threads must be >= 1"),
         (["rollout.server.url=http://127.0.0.1:1", "rollout.server.push_every_n_steps=2"],
          r"push_every_n_steps \(2\) must be between 1 and rollout.max_staleness \+ 1 \(1\)"),
+        (["rollout.max_staleness=1", "task_sampler.target_pass_rate=0.5"],
+         r"task_sampler draws each batch .* set task_sampler=null or rollout.max_staleness=0"),
     )):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             _recipe(tmp_path / str(index), *overrides)

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from composer_tune.data import feature_generator
 from composer_tune.data.feature_generator import (
+    LEAKED_INSIDE,
+    LEAKED_OUTSIDE,
     GenerationError,
+    GenerationSettings,
     detect_layout,
     find_candidates,
     function_key,
+    generate_tasks,
     removal_edits,
     spans_of_test_functions,
 )
@@ -31,9 +36,12 @@ from composer_tune.data.feature_tasks import (
     load_feature_tasks,
     materialize_agent_tree,
     materialize_tests_tree,
+    read_source_file,
+    sample_tasks,
+    text_sha256,
 )
 from composer_tune.rewards.repository import grade_repository
-from composer_tune.rewards.sandbox import SandboxLimits
+from composer_tune.rewards.sandbox import SandboxLimits, private_root_available
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = REPO_ROOT / "tests" / "assets" / "feature_tasks"
@@ -98,6 +106,15 @@ class Counter:
         """(word, count) pairs, most frequent first, ties alphabetical."""
         return sorted(self.counts.items(), key=lambda pair: (-pair[1], pair[0]))
 ''',
+    # A copy of shout's code the agent's working copy would hold (indented, re-quoted): the
+    # leak check refuses that task.
+    "tests/reference.py": """class Reference:
+    # shout as it was, kept for the docs
+    @staticmethod
+    def shout(text, times=1):
+        '''``text`` in capitals followed by ``times`` exclamation marks.'''
+        return text.upper() + '!' * times
+""",
     "tests/test_text.py": """import unittest
 
 import pytest
@@ -195,9 +212,11 @@ def test_generator_makes_validated_tasks(generated) -> None:
     store, tasks, counts, output = generated
     assert counts["baseline_tests"] == 6 and counts["tasks"] == len(tasks)
     assert counts["license"] == "MIT" and license_path(store, "tinylib-0.1").is_file()
-    # _words breaks every test (too central); Counter.add fails the same tests as Counter.
-    assert {"initials", "shout", "wrap", "Counter.most_common"} <= set(tasks), output
-    assert "_words" not in tasks
+    # _words breaks every test (too central); Counter.add fails the same tests as Counter;
+    # shout's code is still in the working copy (tests/reference.py).
+    assert {"initials", "wrap", "Counter.most_common"} <= set(tasks), output
+    assert "_words" not in tasks and "shout" not in tasks
+    assert counts["rejected"][LEAKED_INSIDE] == 1
     wrap = tasks["wrap"]
     assert wrap.hidden_tests == ("tests/test_text.py::test_wrap",)
     assert wrap.validation["hidden_passed_original"] == 1
@@ -235,6 +254,21 @@ def test_agent_tree_hides_the_feature_and_its_tests(generated, tmp_path: Path) -
     with tarfile.open(archive_path(store, task.repo)) as packed:
         packed.extractall(tmp_path / "original", filter="data")
     assert grade_repository(tmp_path / "original", **grade).all_passed
+
+
+@pytest.mark.skipif(not private_root_available(), reason="no private root: nothing to search")
+def test_generator_refuses_candidates_whose_code_the_sandbox_shows(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy of the package where the sandbox can read it (e.g. installed on the host).
+    planted = tmp_path / "site-packages" / "tinylib"
+    shutil.copytree(tiny / "src" / "tinylib", planted)
+    monkeypatch.setattr(feature_generator, "sandbox_roots", lambda: [(str(planted.parent), ())])
+    settings = GenerationSettings(max_candidates=3, workers=1)
+    lines: list[str] = []
+    report = generate_tasks(tiny, "tinylib-0.1", "0" * 64, settings, progress=lines.append)
+    assert report.tasks == [] and report.rejected == {LEAKED_OUTSIDE: 3}
+    assert any(f"a copy at {planted / 'text.py'}" in line for line in lines), lines
 
 
 def test_removing_every_test_of_a_class_keeps_it_valid(tiny: Path, tmp_path: Path) -> None:
@@ -283,6 +317,9 @@ def test_store_round_trip_and_samples(small_store: Path) -> None:
     wrap = next(s for s in samples if s["id"].endswith(":wrap"))
     assert wrap["prompt"][1]["content"] == next(t for t in tasks if t.id == wrap["id"]).statement
     assert 'candidate = f"{current} {word}".strip()' in wrap["solution"]  # the removed code
+    # The class deleted whole is a harder variant of its method's task (the task sampler's).
+    counter = next(s for s in samples if s["id"].endswith(":Counter"))
+    assert counter["harder_than"] == [next(t.id for t in tasks if t.id.endswith("most_common"))]
     with pytest.raises(FeatureTaskError, match="no tasks for repos"):
         load_feature_task_dataset(small_store, repos=["nosuchrepo"])
 
@@ -345,14 +382,23 @@ def test_shipped_store_counts_licences_and_size() -> None:
     assert size < 3 * 2**20  # each source once, tasks as edits
 
 
-def test_every_shipped_task_materializes(tmp_path: Path) -> None:
-    for index, task in enumerate(load_feature_tasks(SHIPPED)):
+def test_every_shipped_task_applies_and_a_sample_materializes(tmp_path: Path) -> None:
+    tasks = load_feature_tasks(SHIPPED)
+    files: dict[tuple[str, str], list[str]] = {}
+    for task in tasks:  # every edit replaces the text it was made for
+        for edit in (task.deletion, *task.test_removals):
+            key = (task.repo, edit.file)
+            if key not in files:
+                files[key] = read_source_file(SHIPPED, task, edit.file).splitlines(keepends=True)
+            span = "".join(files[key][edit.start - 1 : edit.end])
+            assert text_sha256(span) == edit.original_sha256, (task.id, edit.file)
+    for index, task in enumerate(sample_tasks(tasks, 1)):
         tree = tmp_path / str(index)
         materialize_agent_tree(SHIPPED, task, tree)
         damaged = (tree / task.deletion.file).read_text()
         assert task.deletion.replacement in damaged, task.id
-        files = sorted({node.split("::", 1)[0] for node in task.hidden_tests})
-        remaining = spans_of_test_functions(tree, files)
+        hidden_files = sorted({node.split("::", 1)[0] for node in task.hidden_tests})
+        remaining = spans_of_test_functions(tree, hidden_files)
         for node in task.hidden_tests:
             assert function_key(node) not in remaining, (task.id, node)
 
@@ -373,7 +419,7 @@ def test_regenerating_a_shipped_source_reproduces_its_tasks(tmp_path: Path) -> N
     assert archive_path(store, repo).read_bytes() == archive_path(SHIPPED, repo).read_bytes()
 
 
-@pytest.mark.slow  # grades 4 originals and 52 agent trees (about 70 s of CPU)
+@pytest.mark.slow  # grades 4 originals and 52 agent trees and searches the sandbox for 52 tasks' code
 def test_every_shipped_task_validates_under_the_current_grader() -> None:
     done = _make_feature_tasks("--check", "--store", str(SHIPPED))
     assert (

@@ -239,3 +239,27 @@ def test_grpo_cpu_smoke_feature_tasks_runs(engine: str, tmp_path: Path) -> None:
         assert "episode/tool_calls" in step and step["episode/turns"] >= 1
         assert step["reward/mean"] == 0.0  # the toy model calls no tool: the hidden tests fail
         assert step["episode/env_seconds"] > 0  # ... after a real grading run
+
+
+def test_environment_refuses_a_host_without_the_private_root(
+    sample: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from composer_tune.rewards import sandbox
+
+    def unavailable() -> sandbox.RootPlan:
+        raise sandbox.PrivateRootUnavailable("no ldd here (test)")
+
+    monkeypatch.setattr(sandbox, "private_root_plan", unavailable)
+    monkeypatch.setattr(sandbox, "_private_root_problem", lambda: "no ldd here (test)")
+    section = {
+        "environment": {"_component_": "composer_tune.agents.repository.RepositoryEnvironment"}
+    }
+    with pytest.raises(ValueError, match="cannot build its private root.*weaker_isolation"):
+        build_agent(section)
+    section["environment"]["weaker_isolation"] = "host_filesystem"
+    environment = build_agent(section).factories[None]()
+    assert environment.isolation == "host_filesystem"
+    environment.reset(**sample)
+    # Accepted by name: commands run on the host's files, in the working copy's host path.
+    ran, _ = _call(environment, "run_command", command="pwd")
+    assert ran.startswith("status: ok") and str(environment.tree) in ran

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -294,23 +295,115 @@ needs_private_root = pytest.mark.skipif(
 )
 
 
-@needs_private_root
-def test_private_root_hides_the_repository_and_installed_packages() -> None:
-    import sys as host_sys
+@pytest.fixture
+def planted_on_the_host() -> list[str]:
+    """A file planted in the base interpreter's site-packages, in /usr/lib and in a folder of
+    /usr/lib (as third-party software installed there would be); removed afterwards."""
+    import site
+    import sysconfig
 
+    marker = f"composer_tune_planted_{os.getpid()}_{time.monotonic_ns()}"
+    folders = [sysconfig.get_paths(vars={"base": sys.base_prefix})["purelib"], "/usr/lib"]
+    folders += site.getsitepackages([sys.base_prefix])
+    planted = []
+    try:
+        for folder in dict.fromkeys(folders):
+            path = Path(folder, f"{marker}.py")
+            try:
+                path.write_text(
+                    "def camelize(string):\n    return 'planted' + 'copy'  # plantedcopy\n"
+                )
+            except OSError:
+                continue
+            planted.append(str(path))
+        if not planted:
+            pytest.skip("cannot write into the host's site-packages or /usr/lib here")
+        yield planted
+    finally:
+        for path in planted:
+            Path(path).unlink(missing_ok=True)
+
+
+@needs_private_root
+def test_allow_listed_root_hides_the_host(planted_on_the_host: list[str]) -> None:
     code = (
-        "import glob, json, os, sys\n"
-        "sites = glob.glob(os.path.join(sys.base_prefix, 'lib', 'python3*', 'site-packages'))\n"
-        "print(json.dumps({'top': sorted(os.listdir('/')), 'sites': [os.listdir(s) for s in sites],"
+        "import json, os, subprocess, sys\n"
+        "planted = json.loads(sys.stdin.read())\n"
+        "grep = subprocess.run(['/bin/grep', '-rl', 'planted' 'copy', '/', '--exclude-dir=proc'],"
+        " capture_output=True, text=True)\n"
+        "print(json.dumps({'top': sorted(os.listdir('/')), 'usr': sorted(os.listdir('/usr')),"
+        " 'usr_lib': sorted(os.listdir('/usr/lib')), 'sites': [os.listdir(p) for p in"
+        " (os.path.join(sys.base_prefix, 'lib', f'python3.{sys.version_info[1]}', n) for n in"
+        " ('site-packages', 'ensurepip', 'test')) if os.path.isdir(p)],"
+        " 'planted': [os.path.exists(p) for p in planted], 'grep': grep.stdout,"
         f" 'readme': os.path.exists({str(Path(__file__).resolve().parents[1] / 'README.md')!r}),"
-        f" 'venv': os.path.exists({host_sys.prefix!r})}}))\n"
+        f" 'venv': os.path.exists({sys.prefix!r}), 'home': os.path.exists('/home'),"
+        " 'etc': os.path.exists('/etc'), 'modules': [m for m in ('json', 'ssl', 'sqlite3',"
+        " 'decimal', 'ctypes', 'zlib', 'lzma') if __import__(m)]}))\n"
     )
-    result = run_python(code, limits=LIMITS)
+    # grep reads the whole root (about 130 MB): a clock for a loaded machine.
+    limits = SandboxLimits(wall_time_s=120.0, cpu_time_s=120.0, max_processes=8)
+    result = run_python(code, limits=limits, stdin=json.dumps(planted_on_the_host))
     assert result.status == "ok", result.stderr
     seen = json.loads(result.stdout)
-    assert seen["readme"] is False and seen["venv"] is False
+    assert seen["planted"] == [False] * len(planted_on_the_host) and seen["grep"] == ""
+    assert seen["readme"] is seen["venv"] is seen["home"] is seen["etc"] is False
     assert seen["sites"] and all(entries == [] for entries in seen["sites"])
-    assert "work" not in seen["top"] and "home" not in seen["top"]
+    links = {"bin", "sbin", "lib", "lib32", "lib64", "libx32"}
+    # /root only where the interpreter lives below it (pyenv), and then only the interpreter.
+    assert set(seen["top"]) <= links | {"dev", "proc", "root", "tmp", "usr", "var"}
+    # /usr holds the commands and the libraries they load, nothing else of the host's.
+    assert set(seen["usr"]) <= {"bin", "lib", "lib64", "sbin"}, seen["usr"]
+    assert "google-cloud-sdk" not in seen["usr_lib"] and "python3" not in seen["usr_lib"]
+    assert seen["modules"] == ["json", "ssl", "sqlite3", "decimal", "ctypes", "zlib", "lzma"]
+
+
+@needs_private_root
+def test_process_one_shows_no_launch_specification(tmp_path: Path) -> None:
+    code = (
+        "import json\n"
+        "print(json.dumps({'cmdline': open('/proc/1/cmdline', 'rb').read().decode(),"
+        " 'environ': _try(lambda: open('/proc/1/environ').read()),"
+        " 'root': _try(lambda: __import__('os').listdir('/proc/1/root'))}))\n"
+    )
+    helper = "def _try(f):\n    try:\n        return f()\n    except OSError as e:\n        return type(e).__name__\n"
+    mounts = [Mount(str(tmp_path), "/secret_mount_target")]
+    result = run_python(helper + code, limits=LIMITS, mounts=mounts)
+    assert result.status == "ok", result.stderr
+    seen = json.loads(result.stdout)
+    assert "secret_mount_target" not in seen["cmdline"] and str(tmp_path) not in seen["cmdline"]
+    assert "{" not in seen["cmdline"] and "main.py" not in seen["cmdline"]
+    assert seen["environ"] == seen["root"] == "PermissionError"
+
+
+def test_no_allow_list_means_no_private_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    from composer_tune.rewards import sandbox
+
+    def unavailable() -> sandbox.RootPlan:
+        raise sandbox.PrivateRootUnavailable("no ldd on this host (test)")
+
+    monkeypatch.setattr(sandbox, "private_root_plan", unavailable)
+    result = run_python("import os\nprint(os.path.isdir('/work'))", limits=LIMITS)
+    assert result.status == "ok", result.stderr
+    assert "private_root" not in result.isolation
+    assert sandbox._private_root_problem.__wrapped__() == "no ldd on this host (test)"
+
+
+def test_weaker_isolation_is_refused_unless_accepted_by_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from composer_tune.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_private_root_problem", lambda: "no mount namespaces (test)")
+    with pytest.raises(sandbox.PrivateRootUnavailable, match="weaker_isolation=host_filesystem"):
+        sandbox.isolation_in_effect(None, "Env")
+    with pytest.raises(ValueError, match="weaker_isolation must be one of"):
+        sandbox.isolation_in_effect("none", "Env")
+    with caplog.at_level("WARNING"):
+        assert sandbox.isolation_in_effect("host_filesystem", "Env") == "host_filesystem"
+    assert "weaker_isolation=host_filesystem" in caplog.text and "(test)" in caplog.text
+    monkeypatch.setattr(sandbox, "_private_root_problem", lambda: None)
+    assert sandbox.isolation_in_effect("host_filesystem", "Env") == "private_root"
 
 
 @needs_private_root

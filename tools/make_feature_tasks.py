@@ -16,8 +16,9 @@ store.
 
 --check validates every stored task again instead (after a change to the grader, say): its
 hidden tests must all pass on the original (graded once per repository, every task's tests
-together) and all fail on the agent's tree, through the split grader; it prints one line per
-task and exits 1 if any task fails.
+together) and all fail on the agent's tree, through the split grader, and its deleted code must
+be nowhere the sandbox shows (the leak check, composer_tune/data/task_leaks.py); it prints one
+line per task and exits 1 if any task fails. --sample K checks K tasks per source.
 
 Examples:
     python tools/make_feature_tasks.py pypi:inflection==0.5.1 --store tests/assets/feature_tasks
@@ -66,9 +67,20 @@ from composer_tune.data.feature_tasks import (  # noqa: E402
     materialize_agent_tree,
     materialize_tests_tree,
     parse_task,
+    sample_tasks,
     write_archive,
 )
+from composer_tune.data.task_leaks import (  # noqa: E402
+    find_leaks,
+    sandbox_roots,
+    store_fingerprints,
+)
 from composer_tune.rewards.repository import grade_repository  # noqa: E402
+from composer_tune.rewards.sandbox import (  # noqa: E402
+    WEAKER_ISOLATION,
+    PrivateRootUnavailable,
+    isolation_in_effect,
+)
 
 _LICENSE_NAMES = re.compile(r"^(LICEN[CS]E|COPYING)(\.(txt|md|rst))?$", re.IGNORECASE)
 _COPYLEFT = re.compile(r"GNU (AFFERO |LESSER )?GENERAL PUBLIC|Mozilla Public License", re.I)
@@ -101,11 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check", action="store_true", help="validate the stored tasks again, then exit"
     )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        metavar="K",
+        help="with --check: only K tasks of each source, spread over its tasks (tests use 1)",
+    )
     parser.add_argument("--max-tasks", type=int, default=20, help="tasks kept per repository")
     parser.add_argument(
         "--max-candidates", type=int, default=400, help="candidates considered per repository"
     )
     parser.add_argument("--workers", type=int, default=2, help="candidates tried at once")
+    parser.add_argument(
+        "--weaker-isolation",
+        choices=WEAKER_ISOLATION,
+        help="run where the sandbox cannot build its private root (refused otherwise)",
+    )
     parser.add_argument(
         "--allow-copyleft",
         action="store_true",
@@ -246,11 +269,21 @@ def make_repo(
     return [json.loads(task.to_json()) for task in report.tasks], counts
 
 
-def check_store(store: Path, settings: GenerationSettings) -> int:
-    """Grade every stored task's hidden tests on its agent's tree (one run per task) and on the
-    original (one run per repository, every task's hidden tests together: the same original
-    tree for all); the number of tasks that fail."""
+def check_store(
+    store: Path, settings: GenerationSettings, isolation: str, sample: int | None = None
+) -> int:
+    """Grade every stored task's (or a sample's) hidden tests on its agent's tree (one run per
+    task) and on the original (one run per repository, every task's hidden tests together: the
+    same original tree for all), and search everything the sandbox shows for its deleted code;
+    the number of tasks that fail."""
     tasks = load_feature_tasks(store)
+    if sample is not None:
+        tasks = sample_tasks(tasks, sample)
+    prints = {print_.task_id: print_ for print_ in store_fingerprints(store, tasks)}
+    # Without the private root the sandbox shows the whole host: nothing to search.
+    reachable = (
+        find_leaks(list(prints.values()), sandbox_roots()) if isolation == "private_root" else {}
+    )
     with tempfile.TemporaryDirectory(prefix="composer-featurecheck-") as scratch:
         scratch = Path(scratch)
         tests_trees: dict[str, Path] = {}
@@ -281,8 +314,12 @@ def check_store(store: Path, settings: GenerationSettings) -> int:
             passed = sum(originals[_source(task)][node] == "passed" for node in task.hidden_tests)
             left = sum(outcome == "passed" for outcome in outcomes.values())
             total = len(task.hidden_tests)
-            verdict = "ok" if (passed, left) == (total, 0) else "FAILED"
-            return f"{verdict} {task.id}: original {passed}/{total}, agent's tree {left}/{total}"
+            copies = reachable.get(task.id, []) + find_leaks(
+                [prints[task.id]], [(str(agent), ())]
+            ).get(task.id, [])
+            verdict = "ok" if (passed, left, copies) == (total, 0, []) else "FAILED"
+            line = f"{verdict} {task.id}: original {passed}/{total}, agent's tree {left}/{total}"
+            return line + (f", its deleted code readable at {copies[0]}" if copies else "")
 
         sources = list(dict.fromkeys(_source(task) for task in tasks))
         with ThreadPoolExecutor(max_workers=settings.workers) as pool:
@@ -306,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.sources and not args.regenerate and not args.check:
         print("error: give SOURCE arguments, --regenerate or --check", file=sys.stderr)
         return 2
+    if args.sample is not None and (not args.check or args.sample < 1):
+        print("error: --sample K needs --check and K >= 1", file=sys.stderr)
+        return 2
     if args.name and len(args.sources) != 1:
         print("error: --name needs exactly one SOURCE", file=sys.stderr)
         return 2
@@ -316,9 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tasks=args.max_tasks, max_candidates=args.max_candidates, workers=args.workers
     )
     store: Path = args.store
+    try:
+        isolation = isolation_in_effect(args.weaker_isolation, "make_feature_tasks")
+    except PrivateRootUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.check:
         try:
-            return 1 if check_store(store, settings) else 0
+            return 1 if check_store(store, settings, isolation, args.sample) else 0
         except FeatureTaskError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -4,7 +4,8 @@ repository with one feature removed; the agent lists, reads, searches and edits 
 runs commands and the visible tests in the sandbox; ``get_reward()`` runs the hidden tests
 through the split grader (``composer_tune.rewards.repository``), out of the working copy's
 reach, and its failing test's report becomes the episode's feedback (SDPO's hint at the final
-answer's error turn).
+answer's error turn). ``reset`` refuses a task whose deleted code the sandbox shows anywhere
+(``composer_tune.data.task_leaks``): the episode is then not scored.
 
 ```yaml
 agent:
@@ -40,6 +41,7 @@ from composer_tune.data.feature_tasks import (
     materialize_tests_tree,
     task_from_sample,
 )
+from composer_tune.data.task_leaks import refuse_reachable
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rewards.repository import (
     PYTEST_TARGET,
@@ -51,7 +53,7 @@ from composer_tune.rewards.sandbox import (
     Mount,
     SandboxLimits,
     SandboxResult,
-    private_root_available,
+    isolation_in_effect,
     run_command,
 )
 from composer_tune.rewards.split import pytest_runtime
@@ -102,6 +104,10 @@ class RepositoryEnvironment:
         memory_mb: address-space limit of each sandboxed process.
         partial_credit: reward the fraction of hidden tests passed (else 1 only when all pass).
         output_chars: the most characters of output one tool call returns.
+        weaker_isolation: where the host cannot build the sandbox's private root (not root, no
+            mount namespaces), construction fails unless this names the weaker isolation
+            accepted instead: "host_filesystem" (commands see the host's files; a warning
+            says so). See docs/sandbox.md.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class RepositoryEnvironment:
         memory_mb: int = 1024,
         partial_credit: bool = False,
         output_chars: int = 4000,
+        weaker_isolation: str | None = None,
     ) -> None:
         for name, value in (
             ("command_time_s", command_time_s),
@@ -141,6 +148,7 @@ class RepositoryEnvironment:
         self.per_test_timeout_s = per_test_timeout_s
         self.partial_credit = partial_credit
         self.output_chars = output_chars
+        self.isolation = isolation_in_effect(weaker_isolation, "RepositoryEnvironment")
         self.task: FeatureTask | None = None
         self.store: Path | None = None
         self.tree: Path | None = None
@@ -160,6 +168,9 @@ class RepositoryEnvironment:
         self.tree = Path(scratch) / "repo"
         materialize_agent_tree(self.store, self.task, self.tree)
         self.tree.chmod(0o755)
+        # A task whose deleted code the sandbox shows is no task: refuse the episode (unscored).
+        if self.isolation == "private_root":
+            refuse_reachable(self.store, self.task, self.tree)
         self.reward_feedback, self.last_grade = "", None
         visible = ", ".join(self.task.visible_tests[:20])
         return (
@@ -332,7 +343,7 @@ class RepositoryEnvironment:
 
     def _run(self, argv: list[str], limits: SandboxLimits) -> SandboxResult:
         task, tree = self._started()
-        jailed = private_root_available()
+        jailed = self.isolation == "private_root"
         repo = REPO_TARGET if jailed else str(tree)
         lib = PYTEST_TARGET if jailed else str(pytest_runtime())
         root = os.path.join(repo, task.import_root).rstrip("/")

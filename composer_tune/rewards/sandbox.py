@@ -15,18 +15,26 @@ The launcher is a fresh single-threaded interpreter, so the namespace / mount / 
 happens there rather than in a ``preexec_fn`` (unsafe in a threaded parent such as ``run_many``).
 When the init process exits the kernel kills everything left in its pid namespace, so background
 processes cannot outlive the run even if they escaped the process group with ``setsid``.
-Where mount namespaces work, the program is chrooted into a private root that holds only the
-system directories, the interpreter (its site-packages covered) and the caller's mounts: the
-trainer's repository, datasets and installed packages are not there to read.
+Where mount namespaces work, the program is chrooted into a private root built from an
+allow-list (:func:`private_root_plan`): the interpreter and its standard library, a shell and
+the commands the repository tools need, the shared libraries those load, and the caller's
+mounts. Nothing else of the host is there to read: no site-packages, no other software under
+``/usr``, no home directories or caches, no task store. The launcher reads its configuration
+from a pipe, so process 1 of the run shows no launch specification on its command line.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import glob
+import hashlib
 import itertools
 import json
+import logging
 import os
+import re
 import resource
 import selectors
 import shutil
@@ -34,6 +42,7 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -68,22 +77,38 @@ _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
 _PR_SET_PDEATHSIG = 1
 
-# What the private root exposes read-only besides the interpreter's prefix (symlinks such as
-# /lib -> usr/lib are recreated as symlinks) and the device nodes it binds.
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The private root's allow-list (see private_root_plan). Top-level links such as /lib -> usr/lib
+# are recreated as links; the commands are those a shell session in a repository uses (the
+# search tool's grep among them), each where the host has it.
+_TOP_LEVEL_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_COMMAND_DIRS = ("/usr/bin", "/bin")
+_COMMANDS = (
+    "bash", "sh", "grep", "egrep", "fgrep", "sed", "awk", "ls", "cat", "head", "tail", "wc",
+    "sort", "uniq", "cut", "tr", "find", "xargs", "diff", "cmp", "patch", "cp", "mv", "rm",
+    "mkdir", "rmdir", "touch", "ln", "chmod", "echo", "printf", "env", "pwd", "dirname",
+    "basename", "readlink", "realpath", "stat", "tee", "mktemp", "sleep", "true", "false",
+    "test", "[", "expr", "seq", "du", "nl", "od", "paste", "comm", "tar", "gzip", "timeout",
+    "which", "id", "date", "uname", "mkfifo", "md5sum", "sha256sum",
+)  # fmt: skip
+# Parts of the standard library's folder left out: installed packages (third-party code), the
+# bundled pip and setuptools wheels, CPython's own test suite, the IDE and the build files.
+_STDLIB_HIDDEN = (
+    "site-packages", "dist-packages", "ensurepip", "test", "idlelib", "turtledemo", "config-*",
+)  # fmt: skip
+# Extension modules whose libraries stay out (Tcl/Tk and X11 for tkinter).
+_EXTENSIONS_LEFT_OUT = ("_tkinter",)
+# Loaded with dlopen, so ldd does not list it: glibc needs it to cancel and unwind threads.
+_DLOPENED = ("libgcc_s.so.1",)
+_LOCALES = ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8")
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-# Installed packages stay out of reach: every such directory of these prefixes is covered.
-_SITE_PATTERNS = (
-    "lib*/python3*/site-packages",
-    "lib*/python3*/dist-packages",
-    "lib/python3/dist-packages",
-)
 
 # Private uids for sandboxed programs: far above any real account, one per concurrent run so
 # that RLIMIT_NPROC counts only this run's processes and runs cannot touch each other's files.
 _UID_BASE = 1 << 30
 _run_counter = itertools.count()
 _counter_lock = threading.Lock()
+
+logger = logging.getLogger(__name__)
 
 _BASE_PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 _BASE_PREFIX = os.path.realpath(sys.base_prefix)
@@ -234,14 +259,168 @@ def run_command(
 
 def private_root_available() -> bool:
     """Whether programs here run in the private root, so that mounts take effect (probed once)."""
-    global _PRIVATE_ROOT
-    if _PRIVATE_ROOT is None:
-        probe = run_python("pass", limits=SandboxLimits(wall_time_s=30.0))
-        _PRIVATE_ROOT = "private_root" in probe.isolation
-    return _PRIVATE_ROOT
+    return _private_root_problem() is None
 
 
-_PRIVATE_ROOT: bool | None = None
+@functools.cache
+def _private_root_problem() -> str | None:
+    """Why programs here do not run in the private root (None when they do); probed once."""
+    try:
+        private_root_plan()
+    except PrivateRootUnavailable as err:
+        return str(err)
+    probe = run_python("pass", limits=SandboxLimits(wall_time_s=30.0))
+    if "private_root" in probe.isolation:
+        return None
+    if probe.status != "ok":
+        return f"the probe run failed ({probe.status}: {probe.detail})"
+    return "no mount namespaces here (not root, or no CAP_SYS_ADMIN)"
+
+
+# Isolation a caller may accept by name where the private root cannot be built.
+WEAKER_ISOLATION = ("host_filesystem",)
+
+
+def isolation_in_effect(weaker_isolation: str | None, who: str) -> str:
+    """ "private_root" where this host builds it; otherwise ``weaker_isolation`` when the caller
+    accepted it by name (a warning says so), else PrivateRootUnavailable naming the way out."""
+    if weaker_isolation is not None and weaker_isolation not in WEAKER_ISOLATION:
+        raise ValueError(
+            f"{who}: weaker_isolation must be one of {list(WEAKER_ISOLATION)} or null, "
+            f"got {weaker_isolation!r}"
+        )
+    problem = _private_root_problem()
+    if problem is None:
+        return "private_root"
+    if weaker_isolation is None:
+        raise PrivateRootUnavailable(
+            f"{who}: the sandbox cannot build its private root here ({problem}), so programs "
+            "would see the host's files, copies of the task's original code among them; accept "
+            "that by name with weaker_isolation=host_filesystem (docs/sandbox.md)"
+        )
+    logger.warning(
+        "%s: running with weaker_isolation=%s: the private root is unavailable (%s), "
+        "programs see the host's files, copies of a task's deleted code and the task store "
+        "among them, and the leak check cannot clear them (docs/sandbox.md)",
+        who,
+        weaker_isolation,
+        problem,
+    )
+    return weaker_isolation
+
+
+@dataclass(frozen=True)
+class RootPlan:
+    """What the private root holds besides the run's own folders and the caller's mounts.
+
+    links: ``(path, link text)`` of the host's top-level links (``/lib -> usr/lib``).
+    directories: host folders shown read-only at the same path (the standard library).
+    hidden: folders inside ``directories`` covered by an empty mount (site-packages...).
+    files: ``(path, host file)`` shown read-only: the interpreter, the commands and the shared
+        libraries they load, each at its host path (links resolved).
+    """
+
+    links: tuple[tuple[str, str], ...]
+    directories: tuple[str, ...]
+    hidden: tuple[str, ...]
+    files: tuple[tuple[str, str], ...]
+
+    def readable(self) -> list[tuple[str, tuple[str, ...]]]:
+        """``(host path, hidden folders below it)`` of everything the plan lets a run read."""
+        shown = [
+            (d, tuple(h for h in self.hidden if h.startswith(d + "/"))) for d in self.directories
+        ]
+        return shown + [(source, ()) for _, source in self.files]
+
+
+class PrivateRootUnavailable(RuntimeError):
+    """The host cannot build the allow-listed private root; the message says why."""
+
+
+@functools.cache
+def private_root_plan() -> RootPlan:
+    """The allow-list of the private root, computed once per process from this host.
+
+    Raises PrivateRootUnavailable when the host lacks what it needs (``ldd``, a shell).
+    """
+    ldd = next((p for p in ("/usr/bin/ldd", "/bin/ldd") if os.path.isfile(p)), None)
+    if ldd is None:
+        raise PrivateRootUnavailable("no ldd on this host to list the libraries programs load")
+    files: dict[str, str] = {}
+
+    def add(path: str) -> None:
+        # At its canonical place (the folders' links resolved, so that it never lands behind
+        # one of the root's own links), backed by the file the name finally points to.
+        canonical = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        files.setdefault(canonical, os.path.realpath(path))
+
+    for name in _COMMANDS:
+        found = next((f"{d}/{name}" for d in _COMMAND_DIRS if os.path.isfile(f"{d}/{name}")), None)
+        if found is not None:
+            add(found)
+    if not any(os.path.basename(path) == "bash" for path in files):
+        raise PrivateRootUnavailable("no /bin/bash on this host")
+    add(_BASE_PYTHON)
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    extensions = os.path.realpath(sysconfig.get_config_var("DESTSHARED") or stdlib)
+    loaded = [source for source in files.values()] + [
+        path
+        for path in sorted(glob.glob(os.path.join(extensions, "*.so")))
+        if not os.path.basename(path).startswith(_EXTENSIONS_LEFT_OUT)
+    ]
+    libraries = _libraries(ldd, loaded)
+    for library in libraries:
+        add(library)
+    for directory in {os.path.dirname(os.path.realpath(path)) for path in libraries}:
+        for name in _DLOPENED:
+            if os.path.isfile(os.path.join(directory, name)):
+                add(os.path.join(directory, name))
+    directories = [stdlib] + ([extensions] if not extensions.startswith(stdlib + "/") else [])
+    directories += [os.path.realpath(p) for p in _LOCALES if os.path.isdir(p)][:1]
+    hidden = sorted(
+        path
+        for pattern in _STDLIB_HIDDEN
+        for path in glob.glob(os.path.join(stdlib, pattern))
+        if os.path.isdir(path) and not os.path.islink(path)
+    )
+    links = tuple((path, os.readlink(path)) for path in _TOP_LEVEL_LINKS if os.path.islink(path))
+    return RootPlan(links, tuple(directories), tuple(hidden), tuple(sorted(files.items())))
+
+
+def _libraries(ldd: str, programs: Sequence[str]) -> list[str]:
+    """The shared libraries ``programs`` load, as ``ldd`` lists them. ldd runs the loader once
+    per program (seconds on a loaded machine), so its answer is kept in the cache folder
+    under the programs' paths, sizes and times, and used while every library still exists."""
+    from composer_tune import default_cache_dir
+
+    digest = hashlib.sha256(ldd.encode())
+    for path in programs:
+        info = os.stat(path)
+        digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    cache = default_cache_dir() / "sandbox" / f"libraries-{digest.hexdigest()[:32]}.json"
+    try:
+        libraries = json.loads(cache.read_text())
+        if libraries and all(os.path.isfile(path) for path in libraries):
+            return libraries
+    except (OSError, ValueError):
+        pass
+    listed = subprocess.run([ldd, *programs], capture_output=True, text=True, check=False)
+    found = set()
+    for line in listed.stdout.splitlines():
+        match = re.match(r"\s*(?:\S+ => )?(/\S+) \(0x", line)
+        if match:
+            found.add(match.group(1))
+    if not found:
+        raise PrivateRootUnavailable(f"ldd listed no libraries: {listed.stderr[-300:]}")
+    libraries = sorted(found)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(libraries))
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a read-only cache folder costs the next process the ldd run, nothing else
+    return libraries
 
 
 def _run(
@@ -339,9 +518,14 @@ def _run_in(
         "TMPDIR": workdir,
         **dict(options.env),
     }
+    try:
+        plan: RootPlan | None = private_root_plan()
+    except PrivateRootUnavailable:
+        plan = None
     config = {
         "python": _BASE_PYTHON,
         "prefix": _BASE_PREFIX,
+        "root_plan": None if plan is None else dataclasses.asdict(plan),
         "argv": argv,
         "root": root,
         "shared_dirs": [program_dir, bin_dir],
@@ -360,27 +544,34 @@ def _run_in(
             _chown_tree(source, uid, uid)
     status_read, status_write = os.pipe()
     config["status_fd"] = status_write
+    # The configuration travels through a pipe: on the command line it would be readable in
+    # /proc/1/cmdline from inside the run (host paths, mounts, the program's argv).
+    config_read, config_write = os.pipe()
     start = time.monotonic()
     try:
         with open(stdin_path, "rb") as stdin_file:
             os.unlink(stdin_path)
             process = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(config)],
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(config_read)],
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
                 env=env,
-                pass_fds=(status_write, *options.pass_fds),
+                pass_fds=(status_write, config_read, *options.pass_fds),
                 start_new_session=True,
             )
     except OSError as exc:
-        os.close(status_read)
-        os.close(status_write)
+        _close_all([status_read, status_write, config_read, config_write])
         return SandboxResult("sandbox_error", None, "", "", 0.0, f"could not start: {exc}")
     finally:
         _close_all(unclosed)
-    os.close(status_write)
+    _close_all([status_write, config_read])
+    try:
+        with open(config_write, "wb") as pipe:  # the launcher reads it whole, then starts
+            pipe.write(json.dumps(config).encode())
+    except BrokenPipeError:
+        pass  # the launcher died before reading: its missing report says so
     try:
         with process:  # closes the pipes on exit
             try:
@@ -589,9 +780,20 @@ def _mount(
     _libc_call(libc, "mount", encode(source), target.encode(), encode(fstype), flags, encode(data))
 
 
+def _inside_jail(jail: str, target: str) -> str:
+    """``target``'s path in ``jail``; OSError when a link inside the jail lies on the way (it
+    could lead out of the jail before the chroot)."""
+    path = jail
+    for part in target.strip("/").split("/"):
+        path = f"{path}/{part}"
+        if os.path.islink(path):
+            raise OSError(f"mount target {target!r} passes through a link of the private root")
+    return path
+
+
 def _bind(libc: ctypes.CDLL, jail: str, source: str, target: str, writable: bool) -> None:
     """Bind ``source`` at ``target`` inside ``jail`` (read-only unless ``writable``)."""
-    inside = jail + target
+    inside = _inside_jail(jail, target)
     if os.path.isdir(source):
         os.makedirs(inside, 0o755, exist_ok=True)
     else:
@@ -605,29 +807,24 @@ def _bind(libc: ctypes.CDLL, jail: str, source: str, target: str, writable: bool
 
 
 def _build_private_root(libc: ctypes.CDLL, config: dict, uid: int) -> str:
-    """Assemble the program's root directory (see the module doc) and return its host path.
+    """Assemble the program's root directory from the allow-list (``RootPlan``) and return its
+    host path.
 
     Everything is read-only except the private home (a tmpfs of ``disk_bytes`` owned by
     ``uid``), /tmp, /var/tmp, /dev/shm (empty tmpfs mounts) and the caller's writable mounts.
     """
+    plan = config["root_plan"]
     jail = os.path.join(config["root"], "jail")
     os.mkdir(jail, 0o755)
     _mount(libc, "tmpfs", jail, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=0755")
-    bound: list[str] = []
-    for path in _SYSTEM_DIRS:
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), jail + path)
-        elif os.path.isdir(path):
-            _bind(libc, jail, path, path, writable=False)
-            bound.append(path)
-    prefix = config["prefix"]
-    if not any(prefix == path or prefix.startswith(path + "/") for path in bound):
-        _bind(libc, jail, prefix, prefix, writable=False)
-    for base in {prefix, "/usr", "/usr/local"}:
-        for pattern in _SITE_PATTERNS:
-            for site in glob.glob(os.path.join(jail + base, pattern)):
-                if os.path.isdir(site) and not os.path.islink(site):
-                    _mount(libc, "tmpfs", site, "tmpfs", _MS_NOSUID | _MS_RDONLY, "size=4k")
+    for path, text in plan["links"]:
+        os.symlink(text, jail + path)
+    for path in plan["directories"]:
+        _bind(libc, jail, path, path, writable=False)
+    for path in plan["hidden"]:
+        _mount(libc, "tmpfs", jail + path, "tmpfs", _MS_NOSUID | _MS_RDONLY, "size=4k")
+    for path, source in plan["files"]:
+        _bind(libc, jail, source, path, writable=False)
     os.makedirs(jail + "/dev", 0o755)
     for name in _DEVICES:
         if os.path.exists(f"/dev/{name}"):
@@ -639,11 +836,11 @@ def _build_private_root(libc: ctypes.CDLL, config: dict, uid: int) -> str:
     _mount(libc, "proc", jail + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
     scratch = f"size={config['disk_bytes']},mode=1777"
     for path in ("/tmp", "/var/tmp", "/dev/shm"):
-        os.makedirs(jail + path, 0o755, exist_ok=True)
+        os.makedirs(_inside_jail(jail, path), 0o755, exist_ok=True)
         _mount(libc, "tmpfs", jail + path, "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
     for path in config["shared_dirs"]:
         _bind(libc, jail, path, path, writable=False)
-    os.makedirs(jail + config["workdir"], 0o700, exist_ok=True)
+    os.makedirs(_inside_jail(jail, config["workdir"]), 0o700, exist_ok=True)
     home = f"size={config['disk_bytes']},mode=0700,uid={uid},gid={uid}"
     _mount(libc, "tmpfs", jail + config["workdir"], "tmpfs", _MS_NOSUID | _MS_NODEV, home)
     for source, target, writable in config["mounts"]:
@@ -680,7 +877,7 @@ def _launcher_main(config: dict) -> None:
         jail = None
         if namespaces:
             _libc_call(libc, "mount", None, b"/", None, _MS_REC | _MS_PRIVATE, None)
-            if uid is not None:
+            if uid is not None and config["root_plan"] is not None:
                 jail = _build_private_root(libc, config, uid)
                 isolation += ["private_proc", "private_tmp", "private_root"]
             else:
@@ -690,8 +887,8 @@ def _launcher_main(config: dict) -> None:
                     isolation.append("private_proc")
                 except OSError:
                     pass
-        elif uid is not None and _blocked_ancestor(config["prefix"]) is not None:
-            uid = None  # without a mount namespace the private uid could not reach the interpreter
+        if jail is None and uid is not None and _blocked_ancestor(config["prefix"]) is not None:
+            uid = None  # outside the private root the private uid could not reach the interpreter
         if uid is not None:
             isolation.append("private_uid")
         # First report line: known even if the run is killed before the final line.
@@ -747,4 +944,5 @@ def _exec_program(
 
 
 if __name__ == "__main__":
-    _launcher_main(json.loads(sys.argv[1]))
+    with open(int(sys.argv[1]), "rb") as _config_pipe:
+        _launcher_main(json.loads(_config_pipe.read()))

@@ -142,7 +142,8 @@ def pytest_runtime() -> Path:
                         continue
                     destination = target.joinpath(*parts)
                     destination.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(distribution.locate_file(file), destination)
+                    # Times kept: the leak check's cache knows the runtime by them.
+                    shutil.copy2(distribution.locate_file(file), destination)
             for path in [target, *target.rglob("*")]:
                 path.chmod(0o755 if path.is_dir() else 0o644)
             _runtime = target

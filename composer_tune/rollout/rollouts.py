@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +83,9 @@ class RolloutBatch:
         policy_version: ``long[N]`` the optimiser step whose weights sampled each row, for rows
             a rollout worker or server sampled (``composer_tune.rollout.async_rollouts``);
             None: the trainer's current weights sampled them.
+        draw_metrics: how the batch's prompts were chosen (the task sampler's metrics, and
+            dynamic sampling's), logged with the rollout metrics; a whole-batch field that
+            :meth:`select` copies.
     """
 
     tokens: Tensor
@@ -103,6 +107,7 @@ class RolloutBatch:
     episodes: list[EpisodeRecord] | None = None
     window_truncated: Tensor | None = None
     policy_version: Tensor | None = None
+    draw_metrics: dict[str, float] = dataclass_field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -127,7 +132,10 @@ class RolloutBatch:
         picked: dict[str, Any] = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            picked[field.name] = value[rows] if value is not None else None
+            if field.name == "draw_metrics":
+                picked[field.name] = dict(value)
+            else:
+                picked[field.name] = value[rows] if value is not None else None
         width = int((picked["prompt_lengths"] + picked["completion_lengths"]).max())
         for name in (
             "tokens",
@@ -520,6 +528,7 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     episodes = getattr(rollout, "episodes", None)  # duck-typed batches may lack the field
     if episodes is not None:
         metrics.update(episode_metrics(episodes, "episode/", rewards.device))
+    metrics.update(getattr(rollout, "draw_metrics", None) or {})
     return metrics
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from composer_tune import config
@@ -49,6 +50,7 @@ from composer_tune.run.loop import (
     start_run,
 )
 from composer_tune.run.state import RunProgress
+from composer_tune.run.task_sampler import TaskSampler, TaskSamplerSection
 
 
 class RLRun:
@@ -95,6 +97,12 @@ class RLRun:
         # Agent episodes (an ``agent`` section: environments, tools, turn limits) or one turn.
         self.agent = build_agent(cfg.agent)
         self.tokenizer = config.instantiate(cfg.tokenizer)
+        if cfg.task_sampler is not None and uses_rollout_worker(cfg.rollout):
+            raise ValueError(
+                "task_sampler draws each batch from the pass rates of the batches before it; a "
+                "rollout worker (rollout.max_staleness >= 1 or rollout.server.url) draws ahead "
+                "of them, which is not built: set task_sampler=null or rollout.max_staleness=0"
+            )
         # Stale staging, the checkpoint to resume, the run's identity (refusing another run's).
         self._start = start_run(cfg, dist, schema=schema, continuing=continuing)
         self.identity = self._start.identity
@@ -115,6 +123,16 @@ class RLRun:
             guard=build_guard(cfg, dist),
             sampling_generator=build_sampling_generator(
                 dist, cfg.seed, replica_id * dist.world_size + dist.rank
+            ),
+            task_sampler=None
+            if cfg.task_sampler is None
+            else TaskSampler(
+                self.task.dataset,
+                TaskSamplerSection(**cfg.task_sampler),
+                batch_size=cfg.num_prompts_per_generation,
+                dist=dist,
+                seed=cfg.seed,
+                stream=replica_id,
             ),
         )
         self.engine: Any = None
@@ -182,6 +200,13 @@ class RLRun:
             save_checkpoint=save, **options,
         )  # fmt: skip
 
+    def prompt_batches(self) -> Iterator[list[dict[str, Any]]]:
+        """This rank's prompts, one generation batch at a time, from the run's position on:
+        drawn by the task sampler (a ``task_sampler`` section), else uniform shuffled epochs."""
+        if self.progress.task_sampler is not None:
+            return self.progress.task_sampler.batches()
+        return epoch_batches(self.task.loader, self.task.sampler, self.progress)
+
     def rollout(
         self, samples: list[dict[str, Any]], reference: Any = None, *, push_always: bool = False
     ) -> RolloutBatch:
@@ -189,7 +214,7 @@ class RLRun:
         of ``samples`` with the log-probs the channels read (``reference``: a frozen model whose log-probs a KL term reads). A vLLM
         engine gets the policy's weights unless it holds this step's already; ``push_always``:
         weights change between steps too (DiLoCo's syncs), so push every time."""
-        return sample_rollouts(
+        batch = sample_rollouts(
             self.model,
             samples,
             self.cfg,
@@ -203,6 +228,10 @@ class RLRun:
             policy_version=None if push_always else self.progress.step,
             agent=self.agent,
         )
+        if self.progress.task_sampler is not None:  # the drawn tasks' pass rates
+            scored = ~torch.isnan(batch.rewards)
+            batch.draw_metrics.update(self.progress.task_sampler.observe(batch.correct, scored))
+        return batch
 
     def rollouts(
         self, reference: Any = None, *, push_always: bool = False
@@ -211,8 +240,8 @@ class RLRun:
         here by :meth:`rollout` (``max_staleness: 0``), or by the rollout worker ahead of
         training (:class:`AsyncRollouts`; the trainer then adds the old and ``reference``
         log-probs with its current weights)."""
-        if self.stream is None:  # epoch_batches never ends
-            for samples in epoch_batches(self.task.loader, self.task.sampler, self.progress):
+        if self.stream is None:  # the prompt batches never end
+            for samples in self.prompt_batches():
                 yield self.rollout(samples, reference, push_always=push_always)
             return
         settings = {

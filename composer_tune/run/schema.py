@@ -19,6 +19,7 @@ from composer_tune.channels.sdpo.channel import SDPOChannelConfig
 from composer_tune.checkpointing.warm_start import WarmStartSection
 from composer_tune.config import TrainingConfig
 from composer_tune.rollout.engines import RolloutSection
+from composer_tune.run.task_sampler import TaskSamplerSection
 
 __all__ = ["DPOChannelConfig", "RLRecipeConfig", "SDPOChannelConfig"]
 
@@ -69,3 +70,6 @@ class RLRecipeConfig(TrainingConfig):
     # Agent episodes instead of single-turn completions (composer_tune/agents): an
     # environment, tools and the episode limits; null samples one assistant turn per row.
     agent: Any = None
+    # Tasks chosen by their recent pass rate under the policy (target rate, retirement,
+    # promotion to harder variants; composer_tune/run/task_sampler.py); null: uniform epochs.
+    task_sampler: TaskSamplerSection | None = None

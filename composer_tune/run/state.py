@@ -37,6 +37,8 @@ class RunProgress:
         batches_in_epoch: batches of the current epoch already used.
         accuracy_before: held-out accuracy before training (None without evaluation).
         pairs_before: channel 3's held-out pair metrics before training ({} without it).
+        task_sampler: the RL run's :class:`~composer_tune.run.task_sampler.TaskSampler`
+            (None: prompts in uniform epochs); its state is saved as ``task_sampler``.
         tokens: cumulative token counts over every rank, logged as ``tokens/<name>``:
             ``generated`` (completion tokens the policy sampled; agent episodes: its own
             turns) and ``trained/<channel>`` (tokens each channel's loss was taken over:
@@ -52,6 +54,7 @@ class RunProgress:
     accuracy_before: float | None = None
     pairs_before: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
+    task_sampler: Any = None
 
     def state_dict(self, dist: DistInfo) -> dict[str, Any]:
         """The checkpoint's recipe-state entries (collective: gathers every rank's generator)."""
@@ -66,6 +69,8 @@ class RunProgress:
         }
         if self.sampling_generator is not None:
             state["sampling_generator"] = gather_generator_states(self.sampling_generator, dist)
+        if self.task_sampler is not None:
+            state["task_sampler"] = self.task_sampler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], dist: DistInfo) -> None:
@@ -80,6 +85,8 @@ class RunProgress:
         self.tokens.update(state.get("tokens") or {})
         if self.sampling_generator is not None:
             self.sampling_generator.set_state(state["sampling_generator"][dist.rank])
+        if self.task_sampler is not None and "task_sampler" in state:
+            self.task_sampler.load_state_dict(state["task_sampler"])
 
     def record_before(self, result: Any, pairs: Mapping[str, float] | None = None) -> None:
         """The metrics taken before training: held-out ``result`` (an ``EvalResult`` or None)
