@@ -602,6 +602,40 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_a_rerun_of_a_checkpointles
     assert not (out / "runs" / "a1_seed1" / "stale.txt").exists()
 
 
+def test_a_run_whose_ladder_died_with_it_resumes_instead_of_being_deleted(
+    tmp_path: Path, fake_tune: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ladder itself killed mid-run (a session ends, the machine reboots): results.json
+    holds the run as running, and the next ladder resumes its checkpoint, logs kept."""
+    out, argv = _a1_ladder_argv(tmp_path, "0")
+    monkeypatch.setenv("FAKE_TUNE_KILL_AT_STEP", "2")
+    real_run_logged = ladder.run_logged
+
+    def ladder_dies_after_the_run(*args, **kwargs):
+        real_run_logged(*args, **kwargs)
+        raise SystemExit("the ladder is killed")
+
+    monkeypatch.setattr(ladder, "run_logged", ladder_dies_after_the_run)
+    with pytest.raises(SystemExit):
+        ladder.main(argv)
+    left = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
+    assert left["status"] == "running" and left["returncode"] is None
+
+    monkeypatch.setattr(ladder, "run_logged", real_run_logged)
+    monkeypatch.delenv("FAKE_TUNE_KILL_AT_STEP")
+    assert ladder.main(argv) == 0
+    record = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
+    assert record["status"] == "ok" and record["resumed_from_step"] == 2
+    assert record["metrics"][0]["eval/accuracy"] == [[0, 0.0], [2, 0.02], [4, 0.04]]
+    assert record["wall_s"] > 0
+    commands = [
+        line
+        for line in (out / "runs" / "a1_seed0" / "run.log").read_text().splitlines()
+        if line.startswith("$ ")
+    ]
+    assert len(commands) == 2 and commands[1].endswith("checkpoint.resume_from_checkpoint=latest")
+
+
 def test_warm_start_is_trained_once_and_its_failure_stops_the_ladder(
     tmp_path: Path,
     fake_tune: Path,

@@ -465,13 +465,14 @@ def execute(
 ) -> dict[str, Any]:
     """Runs one arm-seed and returns its results record (ok or failed). A failed earlier attempt
     of the same command that left a checkpoint (killed, out of memory, past --run-timeout) is
-    resumed from it, its wall time counted in; any other earlier attempt is trained again from
-    scratch."""
+    resumed from it, its wall time counted in, and so is one whose ladder died with it (status
+    running); any other earlier attempt is trained again from scratch."""
     step = resumable_step(previous, run)
     command = run.command()
     if step is not None:
         command = [*command, "checkpoint.resume_from_checkpoint=latest"]
         print(f"    resuming from its step-{step} checkpoint", flush=True)
+        earlier_wall = attempt_wall_s(previous, run)
     else:
         if run.run_dir.exists():  # its logs and checkpoints would mix in
             shutil.rmtree(run.run_dir)
@@ -479,9 +480,35 @@ def execute(
     status, wall = run_logged(command, run.log_path, env=env, timeout=timeout)
     record = run_record(run, status, wall)
     if step is not None:
-        record["wall_s"] += previous["wall_s"]
+        record["wall_s"] += earlier_wall
         record["resumed_from_step"] = step
     return record
+
+
+def running_record(run: PlannedRun, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The record a run has while it runs: what a ladder killed mid-run (a session's end, a
+    reboot) leaves in results.json, from which the next ladder resumes the run's checkpoint
+    instead of deleting it as unknown. Its ``wall_s``: the earlier attempts' it resumes."""
+    resumes = resumable_step(previous, run) is not None
+    return {
+        "arm": run.arm.key,
+        "seed": run.seed,
+        "command": run.command(),
+        "status": "running",
+        "started": time.time(),
+        "returncode": None,
+        "wall_s": attempt_wall_s(previous, run) if resumes and previous else 0.0,
+        "log": str(run.log_path),
+        "metrics": [],
+    }
+
+
+def attempt_wall_s(previous: dict[str, Any], run: PlannedRun) -> float:
+    """Wall seconds of an earlier attempt: as recorded, or for one whose ladder was killed
+    with it (status running) from its start to its log's last write."""
+    if previous.get("status") != "running":
+        return previous["wall_s"]
+    return previous["wall_s"] + max(0.0, run.log_path.stat().st_mtime - previous["started"])
 
 
 def run_record(run: PlannedRun, status: int, wall_s: float) -> dict[str, Any]:
@@ -1283,7 +1310,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{progress}: completed earlier, skipped", flush=True)
             continue
         print(f"{progress}: {run.arm.title} ...", flush=True)
-        record = execute(run, env, args.run_timeout, results["runs"].get(run.key))
+        previous = results["runs"].get(run.key)
+        results["runs"][run.key] = running_record(run, previous)
+        write_json_atomic(results_path, results)
+        record = execute(run, env, args.run_timeout, previous)
         results["runs"][run.key] = record
         save(results, args.out, plt)
         if record["status"] == "ok":
