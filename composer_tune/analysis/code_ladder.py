@@ -100,7 +100,8 @@ def arm_values(runs: Sequence[Mapping[str, Any]], step: int | None) -> dict[str,
 
 
 def table(sources: Sequence[ArmSource]) -> str:
-    """The markdown table: A0 (step 0 of every run), then each arm at its last evaluation."""
+    """The markdown table: A0 (step 0 of the runs that evaluated it), then each arm at its last
+    evaluation."""
     header = (
         "| arm | seeds | held-out templates, greedy | held-out templates, sampled | "
         "held-out params, greedy | held-out params, sampled | reply tokens / truncated "
@@ -117,8 +118,9 @@ def table(sources: Sequence[ArmSource]) -> str:
             + f" | {cell(values['reply_tokens'], 1)} / {cell(values['truncated'], 2)} |"
         )
     base = arm_values(base_runs, 0)
+    measured = sum(value is not None for value in base[f"{next(iter(MODES))}/{SPLITS[0]}"])
     base_row = (
-        f"| A0 base model (step 0 of all {len(base_runs)} runs) | – | "
+        f"| A0 base model (step 0, measured in {measured} of the {len(base_runs)} runs) | – | "
         + " | ".join(cell(base[f"{m}/{s}"]) for s in SPLITS for m in MODES)
         + " | |"
     )

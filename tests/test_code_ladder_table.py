@@ -1,0 +1,93 @@
+"""The code ladder's table (composer_tune.analysis.code_ladder, tools/code_ladder.py) from ladder
+results files written here, against values worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from composer_tune.analysis.code_ladder import ArmSource, per_seed, table
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(arm: str, seed: int, start: float | None, end: float, status: str = "ok") -> dict:
+    """A ladder record whose held-out accuracies are ``start`` at step 0 (None: not evaluated)
+    and ``end`` at step 40 on every split and mode, offset per split and mode so that a column
+    read from the wrong series shows."""
+    metrics = {}
+    for index, name in enumerate(
+        [
+            "eval/accuracy/heldout_templates",
+            "eval_sampled/accuracy/heldout_templates",
+            "eval/accuracy/heldout_params",
+            "eval_sampled/accuracy/heldout_params",
+        ]
+    ):
+        series = [] if start is None else [[0, start + index / 100]]
+        metrics[name] = [*series, [40, end + index / 100]]
+    metrics["completion_length/mean"] = [[step, 100.0 - step] for step in range(1, 41)]
+    metrics["truncation_rate"] = [[step, 0.5] for step in range(1, 41)]
+    return {"arm": arm, "seed": seed, "status": status, "wall_s": 10.0, "metrics": [metrics]}
+
+
+def _ladder(path: Path, *runs: dict) -> Path:
+    path.mkdir(parents=True)
+    records = {f"{run['arm']}/seed{run['seed']}/{i}": run for i, run in enumerate(runs)}
+    (path / "results.json").write_text(json.dumps({"runs": records}))
+    return path
+
+
+def test_table_is_the_mean_and_std_over_seeds_and_a0_counts_the_runs_that_measured_it(
+    tmp_path: Path,
+) -> None:
+    a1 = _ladder(
+        tmp_path / "a1",
+        _run("a1", 1, None, 0.5),
+        _run("a1", 0, 0.1, 0.3),
+        _run("a1", 2, None, 0.0, status="failed"),  # not counted
+    )
+    flip = _ladder(tmp_path / "flip", _run("a1", 0, 0.2, 0.05))
+    sources = [ArmSource.parse(f"A1={a1}:a1"), ArmSource.parse(f"flipped={flip}:a1")]
+    lines = table(sources).splitlines()
+    # A0: step 0 of the two runs that evaluated it (0.1 and 0.2), offsets .00/.01/.02/.03.
+    assert lines[2] == (
+        "| A0 base model (step 0, measured in 2 of the 3 runs) | – | "
+        "0.150 ± 0.071 | 0.160 ± 0.071 | 0.170 ± 0.071 | 0.180 ± 0.071 | |"
+    )
+    # A1: seeds 0 and 1 end at 0.3 and 0.5; length over steps 36-40 is 100 - 38 = 62.
+    assert lines[3] == (
+        "| A1 | 2 | 0.400 ± 0.141 | 0.410 ± 0.141 | 0.420 ± 0.141 | 0.430 ± 0.141 | "
+        "62.0 ± 0.0 / 0.50 ± 0.00 |"
+    )
+    assert lines[4] == "| flipped | 1 | 0.050 | 0.060 | 0.070 | 0.080 | 62.0 / 0.50 |"
+    seeds = per_seed(sources).splitlines()
+    assert "| A1 | 0 | 0 | 0.100 | 0.110 | 0.120 | 0.130 | 10 |" in seeds
+    assert "| A1 | 1 | 0 | – | – | – | – | 10 |" in seeds  # no step-0 evaluation
+
+
+def test_an_arm_without_a_completed_run_is_named(tmp_path: Path) -> None:
+    ladder = _ladder(tmp_path / "a2", _run("a2", 0, 0.1, 0.2, status="running"))
+    with pytest.raises(ValueError, match="A2: no completed a2 run"):
+        table([ArmSource.parse(f"A2={ladder}:a2")])
+    with pytest.raises(ValueError, match="expected LABEL=PATH:ARM"):
+        ArmSource.parse("A2 runs/x")
+
+
+def test_the_command_writes_the_table_and_plots(tmp_path: Path) -> None:
+    ladder = _ladder(tmp_path / "a1", _run("a1", 0, 0.1, 0.3))
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "tools/code_ladder.py", "--arm", f"A1={ladder}:a1", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| A1 | 1 | 0.300 | 0.310 | 0.320 | 0.330 | 62.0 / 0.50 |" in done.stdout
+    assert (out / "results.md").is_file() and (out / "reward.png").is_file()
