@@ -218,3 +218,25 @@ def test_from_pretrained_caps_the_rope_cache(hf_pair) -> None:
     assert model.config.max_seq_len == 48
     with pytest.raises(CheckpointError, match="not found"):
         from_pretrained(path / "nowhere")
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_computes_torchtunes_norm(input_dtype: torch.dtype) -> None:
+    """The decoder's norms with bf16 weights (a GPU run): sampling forwards take the fused
+    kernel's route (fp32 weight beside the fp32 input) and give torchtune's values; forwards
+    that build a graph are torchtune's own."""
+    from torchtune.modules import RMSNorm
+
+    from composer_tune.models.decoder import FusedRMSNorm
+
+    torch.manual_seed(0)
+    norm = FusedRMSNorm(dim=64, eps=1e-6).to(torch.bfloat16)
+    norm.scale.data.normal_()
+    x = torch.randn(3, 5, 64, dtype=input_dtype)
+    expected = RMSNorm.forward(norm, x)
+    with torch.no_grad():
+        sampled = norm(x)
+    assert sampled.dtype == input_dtype
+    torch.testing.assert_close(sampled, expected, rtol=0, atol=0)
+    trained = norm(x.requires_grad_())
+    assert trained.grad_fn is not None and torch.equal(trained, expected)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import (
     FeedForward,
@@ -41,6 +42,21 @@ HeadFn = Callable[[torch.Tensor, Any], Any]
 
 # Hugging Face ``model_type`` values this decoder implements.
 FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+class FusedRMSNorm(RMSNorm):
+    """torchtune's fp32 RMSNorm whose sampling forwards (no autograd) run PyTorch's fused
+    kernel: given a bf16 ``scale`` with the fp32 input, ``F.rms_norm`` falls back to ~6
+    elementwise kernels, which is most of a launch-bound decode step's excess over a compiled
+    one on a GPU. The weight cast keeps the fp32 math. Training keeps torchtune's path, whose
+    saved activations ``composer_tune.analysis.memory`` models and the GPU check measured."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or self.scale.dtype == torch.float32:
+            return super().forward(x)
+        return F.rms_norm(x.float(), self.normalized_shape, self.scale.float(), self.eps).to(
+            x.dtype
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +369,8 @@ def decoder_from_args(args: DecoderArgs, initializer_range: float = 0.02) -> Cau
             v_proj=nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias),
             output_proj=nn.Linear(args.num_heads * hd, d, bias=False),
             pos_embeddings=rope,
-            q_norm=RMSNorm(dim=hd, eps=args.norm_eps) if args.qk_norm else None,
-            k_norm=RMSNorm(dim=hd, eps=args.norm_eps) if args.qk_norm else None,
+            q_norm=FusedRMSNorm(dim=hd, eps=args.norm_eps) if args.qk_norm else None,
+            k_norm=FusedRMSNorm(dim=hd, eps=args.norm_eps) if args.qk_norm else None,
             max_seq_len=args.max_seq_len,
         )
         mlp = FeedForward(
@@ -366,8 +382,8 @@ def decoder_from_args(args: DecoderArgs, initializer_range: float = 0.02) -> Cau
             TransformerSelfAttentionLayer(
                 attn=attn,
                 mlp=mlp,
-                sa_norm=RMSNorm(dim=d, eps=args.norm_eps),
-                mlp_norm=RMSNorm(dim=d, eps=args.norm_eps),
+                sa_norm=FusedRMSNorm(dim=d, eps=args.norm_eps),
+                mlp_norm=FusedRMSNorm(dim=d, eps=args.norm_eps),
             )
         )
     tok_embeddings = nn.Embedding(args.vocab_size, d)
@@ -383,7 +399,7 @@ def decoder_from_args(args: DecoderArgs, initializer_range: float = 0.02) -> Cau
         max_seq_len=args.max_seq_len,
         num_heads=args.num_heads,
         head_dim=hd,
-        norm=RMSNorm(dim=d, eps=args.norm_eps),
+        norm=FusedRMSNorm(dim=d, eps=args.norm_eps),
         output=output,
     )
     _init_weights(model, initializer_range)
