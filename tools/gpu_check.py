@@ -267,6 +267,11 @@ PARITY_FAMILIES = {
             "head_dim": 32,
             "sliding_window": 32,
             "layer_types": ["sliding_attention", "full_attention"],
+            # RoPE per layer type: transformers 5.17 (the GPU image's) refuses one flat dict.
+            "rope_parameters": {
+                kind: {"rope_type": "default", "rope_theta": 10000.0}
+                for kind in ("sliding_attention", "full_attention")
+            },
         },
     ),
     "qwen3_moe": (
