@@ -7,6 +7,8 @@ reads ``result.isolation`` and asserts the behaviour docs/sandbox.md documents f
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_tune.rewards import sandbox
 from composer_tune.rewards.sandbox import Mount, SandboxLimits, run_command, run_many, run_python
 
 LIMITS = SandboxLimits(
@@ -463,3 +466,42 @@ def test_passed_descriptors_and_stop_fd() -> None:
     assert time.monotonic() - started < 20
     with pytest.raises(OSError):
         os.fstat(to_program)  # the run owned it and closed it
+
+
+class _FakeLibc:
+    """unshare(2) failing with the given errnos, in turn, then succeeding."""
+
+    def __init__(self, *failures: int) -> None:
+        self.failures = list(failures)
+        self.calls: list[int] = []
+
+    def unshare(self, flags: int) -> int:
+        self.calls.append(flags)
+        if self.failures:
+            ctypes.set_errno(self.failures.pop(0))
+            return -1
+        return 0
+
+
+def test_namespaces_fail_closed_where_the_host_builds_the_private_root(monkeypatch) -> None:
+    """A host whose probe built the private root never runs a program without it: a transient
+    failure (ENOMEM) is retried, a lasting or other one is the run's error; only a host
+    without it falls back to the network namespace alone."""
+    monkeypatch.setattr(sandbox.time, "sleep", lambda seconds: None)
+    libc = _FakeLibc(errno.ENOMEM, errno.ENOMEM)
+    assert sandbox._enter_namespaces(libc, required=True) == (True, ["network", "pid_namespace"])
+    assert len(libc.calls) == 3
+
+    libc = _FakeLibc(*[errno.ENOMEM] * 10)
+    with pytest.raises(OSError, match="not run without it"):
+        sandbox._enter_namespaces(libc, required=True)
+    assert len(libc.calls) == sandbox._UNSHARE_ATTEMPTS
+
+    libc = _FakeLibc(errno.EPERM)
+    with pytest.raises(OSError, match="Operation not permitted"):
+        sandbox._enter_namespaces(libc, required=True)
+    assert len(libc.calls) == 1
+
+    libc = _FakeLibc(errno.EPERM)  # a host without namespaces: the network one is tried
+    assert sandbox._enter_namespaces(libc, required=False) == (False, ["network"])
+    assert libc.calls[1] == sandbox._CLONE_NEWNET

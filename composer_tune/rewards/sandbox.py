@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import functools
 import glob
 import hashlib
@@ -49,7 +50,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal[
     "ok",
@@ -262,6 +263,9 @@ def private_root_available() -> bool:
     return _private_root_problem() is None
 
 
+_probing = False
+
+
 @functools.cache
 def _private_root_problem() -> str | None:
     """Why programs here do not run in the private root (None when they do); probed once."""
@@ -269,7 +273,12 @@ def _private_root_problem() -> str | None:
         private_root_plan()
     except PrivateRootUnavailable as err:
         return str(err)
-    probe = run_python("pass", limits=SandboxLimits(wall_time_s=30.0))
+    global _probing
+    _probing = True  # the probe's own run may fall back: it is what finds out
+    try:
+        probe = run_python("pass", limits=SandboxLimits(wall_time_s=30.0))
+    finally:
+        _probing = False
     if "private_root" in probe.isolation:
         return None
     if probe.status != "ok":
@@ -537,6 +546,8 @@ def _run_in(
         "rlimits": _rlimits(limits),
         "disk_bytes": limits.disk_bytes,
         "pass_fds": list(options.pass_fds),
+        # Where the probe builds the private root, a run that cannot enter it fails.
+        "require_namespaces": plan is not None and not _probing and _private_root_problem() is None,
     }
     writable = [m.source for m in options.mounts if m.writable]
     if uid is not None:
@@ -759,8 +770,8 @@ def _remove_tree(path: str) -> None:
 
 def _libc_call(libc: ctypes.CDLL, name: str, *args: object) -> None:
     if getattr(libc, name)(*args) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{name}: {os.strerror(errno)}")
+        code = ctypes.get_errno()
+        raise OSError(code, f"{name}: {os.strerror(code)}")
 
 
 def _blocked_ancestor(path: str) -> str | None:
@@ -848,22 +859,46 @@ def _build_private_root(libc: ctypes.CDLL, config: dict, uid: int) -> str:
     return jail
 
 
+# Errors of unshare(2) that a retry can outlast (a kernel short of memory for the namespaces).
+_TRANSIENT_ERRNOS = (errno.ENOMEM, errno.EAGAIN, errno.ENOSPC)
+_UNSHARE_ATTEMPTS = 5
+
+
+def _enter_namespaces(libc: Any, required: bool) -> tuple[bool, list[str]]:
+    """Unshares mount, pid and network namespaces; returns whether it did and the isolation
+    gained. Where the host was probed to build the private root (``required``) a failure is
+    retried while transient and then raised: a program never runs on the host's files because
+    the kernel was short of memory once. Elsewhere the network namespace alone is tried."""
+    for attempt in range(_UNSHARE_ATTEMPTS):
+        try:
+            _libc_call(libc, "unshare", _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET)
+            return True, ["network", "pid_namespace"]
+        except OSError as err:
+            if not required:
+                break
+            if err.errno not in _TRANSIENT_ERRNOS or attempt == _UNSHARE_ATTEMPTS - 1:
+                raise OSError(
+                    err.errno,
+                    f"sandbox: {err.strerror}; this host builds the private root, so the "
+                    "program is not run without it",
+                ) from None
+            time.sleep(0.05 * 2**attempt)
+    try:  # e.g. no CAP_SYS_ADMIN for pid/mount namespaces but network still possible
+        _libc_call(libc, "unshare", _CLONE_NEWNET)
+        return False, ["network"]
+    except OSError:
+        return False, []
+
+
 def _launcher_main(config: dict) -> None:
     """Set up isolation, start the program and report how it ended on the status fd."""
     libc = ctypes.CDLL(None, use_errno=True)
     status_fd = config["status_fd"]
-    isolation: list[str] = []
-    namespaces = False
     try:
-        _libc_call(libc, "unshare", _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET)
-        namespaces = True
-        isolation += ["network", "pid_namespace"]
-    except OSError:
-        try:  # e.g. no CAP_SYS_ADMIN for pid/mount namespaces but network still possible
-            _libc_call(libc, "unshare", _CLONE_NEWNET)
-            isolation.append("network")
-        except OSError:
-            pass
+        namespaces, isolation = _enter_namespaces(libc, config["require_namespaces"])
+    except OSError as err:  # fail closed: the program does not run
+        os.write(status_fd, (json.dumps({"error": str(err), "isolation": []}) + "\n").encode())
+        os._exit(0)
     init = os.fork()
     if init:
         _close_all(list(config["pass_fds"]))  # only the program keeps the caller's descriptors
