@@ -245,14 +245,15 @@ def print_loops(args: argparse.Namespace, results: list[dict[str, Any]]) -> None
         f"config {args.config}, loop mode: {args.rounds} rounds of {args.warmup} warm-up + "
         f"{args.repeats} timed steps of train() per variant, variants in turn"
     )
+    width = max([44, *(len(row["variant"]) + 2 for row in results)])  # columns never touch
     print(
-        f"{'variant':<44}{'threads':<26}{'s/step':>9}{'steps/hour':>12}{'speed-up':>10}"
+        f"{'variant':<{width}}{'threads':<26}{'s/step':>9}{'steps/hour':>12}{'speed-up':>10}"
         f"{'wait s/step':>13}{'staleness':>11}"
     )
     for row in results:
         wait = f"{row['wait_s']:.2f}" if row["wait_s"] is not None else "-"
         print(
-            f"{row['variant']:<44}{row['threads']:<26}{row['step_s']:>9.2f}"
+            f"{row['variant']:<{width}}{row['threads']:<26}{row['step_s']:>9.2f}"
             f"{row['steps_per_hour']:>12.1f}{row['speed_up']:>9.2f}x{wait:>13}"
             f"{row['staleness']:>11.2f}"
         )
