@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             f"## Every run\n\n{runs}\n"
         )
         plot(sources, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
-        plot(sources, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png")
+        plot(
+            sources, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png"
+        )
     return 0
 
 
