@@ -505,3 +505,13 @@ def test_namespaces_fail_closed_where_the_host_builds_the_private_root(monkeypat
     libc = _FakeLibc(errno.EPERM)  # a host without namespaces: the network one is tried
     assert sandbox._enter_namespaces(libc, required=False) == (False, ["network"])
     assert libc.calls[1] == sandbox._CLONE_NEWNET
+
+
+def test_runs_launch_the_launcher_this_process_imported() -> None:
+    """A running trainer keeps launching the sandbox code it imported, whatever happens to the
+    checkout meanwhile: the launcher is a copy made once per process, outside the package."""
+    result = run_python("print('launched')", limits=SandboxLimits(wall_time_s=30.0))
+    assert result.status == "ok" and result.stdout.strip() == "launched"
+    copy = Path(sandbox._launcher_path())
+    assert copy.parent != Path(sandbox.__file__).parent
+    assert copy.read_text() == Path(sandbox.__file__).read_text() == sandbox._LAUNCHER_SOURCE

@@ -25,6 +25,7 @@ from a pipe, so process 1 of the run shows no launch specification on its comman
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import errno
@@ -264,6 +265,22 @@ def private_root_available() -> bool:
 
 
 _probing = False
+
+# The launcher's source as this process imported it: a run started before the checkout changed
+# keeps launching the code its parent speaks to (a merge under a training run once made every
+# grade of that run a sandbox_error).
+_LAUNCHER_SOURCE = open(__file__, encoding="utf-8").read()
+
+
+@functools.cache
+def _launcher_path() -> str:
+    """This process's copy of the launcher (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="composer-sandbox-launcher-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = os.path.join(folder, "sandbox_launcher.py")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(_LAUNCHER_SOURCE)
+    return path
 
 
 @functools.cache
@@ -563,7 +580,7 @@ def _run_in(
         with open(stdin_path, "rb") as stdin_file:
             os.unlink(stdin_path)
             process = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(config_read)],
+                [sys.executable, "-I", "-S", _launcher_path(), str(config_read)],
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
