@@ -80,6 +80,8 @@ def server(
     local.start()
     yield local
     pids, segments = local.pids(), local.shared_memory()
+    if not pids:  # killed by the last test, which checked what the kill left
+        return
     local.stop()
     assert len(pids) >= 3, pids  # API server, engine core, worker
     assert _alive(pids) == [], f"server processes left behind: {_alive(pids)}"
@@ -206,60 +208,6 @@ def test_replay_build_pairs_and_train_against_the_local_server(
 
 
 @pytest.mark.slow
-def test_server_killed_mid_replay_then_restarted_loses_and_repeats_nothing(
-    server: LocalTeacherServer, steps: Path, tmp_path: Path
-) -> None:
-    limit = 3
-    with FakeOpenAIServer(upstream=server.base_url) as proxy:
-        # The proxy's address stays the same across the restart, so the cache keys do too.
-        teachers = teachers_file(
-            tmp_path / "teachers.yaml", proxy.base_url, max_concurrency=1, max_tokens=64
-        )
-
-        segments = server.shared_memory()
-        assert segments  # vLLM's engine <-> API server queues
-
-        def kill_after_two_answers() -> None:
-            while len(proxy.billed()) < 2:
-                time.sleep(0.05)
-            server.kill()
-
-        killer = threading.Thread(target=kill_after_two_answers, daemon=True)
-        killer.start()
-        first = replay(
-            tmp_path, steps, teachers, "--limit", str(limit), "--max-attempts", "2",
-            "--base-delay-s", "0.1",
-        )  # fmt: skip
-        killer.join(timeout=60)
-        assert first.returncode == 0, first.stderr[-3000:]
-        assert server.pids() == []
-        assert not [segment for segment in segments if segment.exists()]  # RAM given back
-        billed_first = {body_key(request.body) for request in proxy.billed()}
-        after_first = results(tmp_path)
-        ok_first = {key for key, result in after_first.items() if result["status"] == "ok"}
-        failed_first = {key for key, result in after_first.items() if result["status"] != "ok"}
-        assert len(ok_first) >= 2 and failed_first, after_first
-        assert all(
-            "connection" in result["reason"] or "HTTP 5" in result["reason"]
-            for key, result in after_first.items()
-            if key in failed_first
-        )
-
-        sent_before_restart = len(proxy.received)
-        server.start()  # same port
-        second = replay(tmp_path, steps, teachers, "--limit", str(limit))
-        assert second.returncode == 0, second.stderr[-3000:]
-        resent = [request.body for request in proxy.received[sent_before_restart:]]
-
-    final = results(tmp_path)
-    assert len(final) == 2 * limit and all(r["status"] == "ok" for r in final.values())
-    # Nothing answered before the crash was asked again; everything that failed was.
-    assert not billed_first & {body_key(body) for body in resent}
-    assert len(resent) == len(failed_first)
-    assert {key for key, result in final.items() if result["cached"]} >= ok_first
-
-
-@pytest.mark.slow
 def test_more_concurrent_requests_than_the_server_batches_complete_once_each(
     server: LocalTeacherServer, steps: Path, tmp_path: Path
 ) -> None:
@@ -361,6 +309,106 @@ def test_budget_stops_spending_at_the_limit_and_a_larger_budget_finishes(
     assert all(r["status"] == "ok" for r in results(tmp_path).values())
 
 
+def _serve_teacher(port: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """``tools/serve_teacher.py`` as a user starts it, on ``port`` with the module server's
+    batch and KV cache; returns the process once it printed its ready line, and that line."""
+    command = [
+        sys.executable, "tools/serve_teacher.py", "--port", str(port), "--log", str(log),
+        "--max-num-seqs", str(SERVER_BATCH), "--kv-cache-gib", "1",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert server.stdout is not None
+    lines = []
+    for line in server.stdout:
+        lines.append(line)
+        if "ready at" in line or "error:" in line:
+            break
+    assert "ready at" in lines[-1], "".join(lines)
+    return server, lines[-1]
+
+
+# Last of the tests on the module's server: it kills that server, and the command restarts it.
+@pytest.mark.slow
+def test_server_killed_mid_replay_then_restarted_by_the_command_loses_and_repeats_nothing(
+    server: LocalTeacherServer, steps: Path, tmp_path: Path
+) -> None:
+    """The module's server dies (SIGKILL) mid-replay; ``tools/serve_teacher.py`` (the command a
+    user runs) serves again on the same port, the replay resumes and asks only what was lost,
+    and Ctrl-C stops the command with every process it started gone."""
+    limit = 3
+    with FakeOpenAIServer(upstream=server.base_url) as proxy:
+        # The proxy's address stays the same across the restart, so the cache keys do too.
+        teachers = teachers_file(
+            tmp_path / "teachers.yaml", proxy.base_url, max_concurrency=1, max_tokens=64
+        )
+
+        segments = server.shared_memory()
+        assert segments  # vLLM's engine <-> API server queues
+
+        def kill_after_two_answers() -> None:
+            while len(proxy.billed()) < 2:
+                time.sleep(0.05)
+            server.kill()
+
+        killer = threading.Thread(target=kill_after_two_answers, daemon=True)
+        killer.start()
+        first = replay(
+            tmp_path, steps, teachers, "--limit", str(limit), "--max-attempts", "2",
+            "--base-delay-s", "0.1",
+        )  # fmt: skip
+        killer.join(timeout=60)
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert server.pids() == []
+        assert not [segment for segment in segments if segment.exists()]  # RAM given back
+        billed_first = {body_key(request.body) for request in proxy.billed()}
+        after_first = results(tmp_path)
+        ok_first = {key for key, result in after_first.items() if result["status"] == "ok"}
+        failed_first = {key for key, result in after_first.items() if result["status"] != "ok"}
+        assert len(ok_first) >= 2 and failed_first, after_first
+        assert all(
+            "connection" in result["reason"] or "HTTP 5" in result["reason"]
+            for key, result in after_first.items()
+            if key in failed_first
+        )
+
+        sent_before_restart = len(proxy.received)
+        command, ready = _serve_teacher(server.port, tmp_path / "command.log")  # same port
+        try:
+            assert f"ready at {server.base_url} " in ready, ready
+            models = httpx.get(f"{server.base_url}/models", timeout=30).json()
+            assert [model["id"] for model in models["data"]] == ["smollm2"]
+            children = psutil.Process(command.pid).children(recursive=True)
+            started = [child.pid for child in children]
+            assert len(started) >= 3  # API server, engine core, worker
+            mapped = {
+                m.path for child in children for m in child.memory_maps() if "/dev/shm/" in m.path
+            }
+            second = replay(tmp_path, steps, teachers, "--limit", str(limit))
+            assert second.returncode == 0, second.stderr[-3000:]
+            resent = [request.body for request in proxy.received[sent_before_restart:]]
+            command.send_signal(signal.SIGINT)
+            rest, _ = command.communicate(timeout=120)
+        finally:
+            if command.poll() is None:  # a failed check: stop its server too, then the command
+                command.send_signal(signal.SIGINT)
+                try:
+                    command.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    command.kill()
+    assert command.returncode == 0 and "teacher server stopped" in rest, rest
+    assert _alive(started) == []
+    assert mapped and not [path for path in mapped if Path(path).exists()]
+
+    final = results(tmp_path)
+    assert len(final) == 2 * limit and all(r["status"] == "ok" for r in final.values())
+    # Nothing answered before the crash was asked again; everything that failed was.
+    assert not billed_first & {body_key(body) for body in resent}
+    assert len(resent) == len(failed_first)
+    assert {key for key, result in final.items() if result["cached"]} >= ok_first
+
+
 def test_a_server_that_cannot_start_names_the_cause(tmp_path: Path, smollm2_dir: Path) -> None:
     not_a_checkpoint = LocalTeacherServer(
         LocalServerSettings(model_dir=tmp_path), log_path=tmp_path / "log"
@@ -425,46 +473,6 @@ def test_tool_call_template_shows_the_trace_and_leaves_plain_chat_as_smollm2_ren
     # SmolLM2's own template drops the call: the reason the server gets this one.
     own = tokenizer.apply_chat_template(trace, tools=tools, tokenize=False)
     assert "setup.py" not in own and "Read" not in own
-
-
-@pytest.mark.slow
-def test_serve_teacher_command_serves_until_ctrl_c_and_leaves_no_process(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "tools/serve_teacher.py",
-        "--port",
-        "0",
-        "--log",
-        str(tmp_path / "log"),
-    ]
-    server = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        assert server.stdout is not None
-        lines = []
-        for line in server.stdout:
-            lines.append(line)
-            if "ready at" in line or "error:" in line:
-                break
-        assert "ready at" in lines[-1], "".join(lines)
-        base_url = lines[-1].split("ready at ")[1].split()[0]
-        models = httpx.get(f"{base_url}/models", timeout=30).json()
-        assert [model["id"] for model in models["data"]] == ["smollm2"]
-        children = psutil.Process(server.pid).children(recursive=True)
-        started = [child.pid for child in children]
-        assert len(started) >= 3
-        segments = {
-            m.path for child in children for m in child.memory_maps() if "/dev/shm/" in m.path
-        }
-        server.send_signal(signal.SIGINT)
-        rest, _ = server.communicate(timeout=120)
-    finally:
-        if server.poll() is None:
-            server.kill()
-    assert server.returncode == 0 and "teacher server stopped" in rest, rest
-    assert _alive(started) == []
-    assert segments and not [path for path in segments if Path(path).exists()]
 
 
 def test_the_api_key_reaches_the_server_through_its_environment_only(

