@@ -36,7 +36,7 @@ from composer_tune.run.dynamic_sampling import (
 from composer_tune.run.loop import epoch_batches
 from composer_tune.run.rl import RLRun
 from composer_tune.run.state import RunProgress
-from tests.recipe_runs import run_recipe
+from tests.recipe_runs import run_recipe, run_tune
 
 G = 4  # group size
 PAD = 0
@@ -498,3 +498,38 @@ def test_grpo_with_dynamic_sampling_logs_its_metrics_and_resumes_exactly(tmp_pat
     after = _without_timing(_logged(log))
     for step in (2, 3):
         assert after[step] == logged[step], step
+
+
+@pytest.mark.slow  # a 2-rank FSDP2 GRPO run of the toy model from random init (30 s)
+def test_two_ranks_train_on_as_many_groups_each(tmp_path: Path) -> None:
+    from tests.test_grpo_recipe import QUICK, _log_files, _logged
+
+    # A reply that starts with a visible character scores 1: most groups are all 1, some not,
+    # so the ranks keep different numbers; scale_rewards=batch gathers equal shares of rows.
+    result = run_tune(
+        "--nproc_per_node",
+        "2",
+        "recipes/grpo.py",
+        "--config",
+        "cpu_smoke",
+        f"output_dir={tmp_path / 'fsdp'}",
+        "warm_start=null",
+        *QUICK,
+        r"reward.pattern=^\s*\S",
+        "dataset.num_samples=64",
+        "max_new_tokens=4",
+        "max_steps=2",
+        "eval_every_n_steps=0",
+        "eval_at_start=false",
+        "loss.scale_rewards=batch",
+        "dynamic_sampling.enabled=true",
+        "dynamic_sampling.max_generation_batches=4",
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    logged = _logged(_log_files(tmp_path / "fsdp")[0])
+    for step in (1, 2):
+        values = logged[step]
+        assert values["dynamic_sampling/trained_groups"] in (2.0, 4.0)  # equal per rank
+        assert math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+        if not values["dynamic_sampling/unfiltered"]:
+            assert values["groups/zero_reward_std"] == 0.0
