@@ -421,6 +421,8 @@ def test_off_leaves_the_rollouts_as_they_were() -> None:
     handed = iter(batches)
     trained = next(run.rollouts())
     assert _ids(trained) == _ids(batches[1]) and torch.equal(trained.tokens, batches[1].tokens)
+    # Both batches were sampled through RLRun.rollout, where the task sampler observes them.
+    assert next(handed, None) is None
 
 
 def test_settings_it_cannot_serve_are_named() -> None:
