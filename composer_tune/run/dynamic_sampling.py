@@ -30,11 +30,12 @@ dynamic_sampling:
   count after each generation batch decides, so the ranks stop refilling together; groups a rank
   kept beyond that number are not trained.
 * **The limit**: after ``max_generation_batches`` the step trains on the groups kept (fewer
-  rows; every loss normalises by the rows and tokens it is given). If some rank kept none, the
-  step trains on the last generation batch as drawn instead (its groups of equal rewards have
-  zero advantage, so only the KL and entropy terms move the policy, as with dynamic sampling
-  off) and logs ``dynamic_sampling/unfiltered`` 1: the run neither stalls nor trains on an
-  empty batch. (verl stops the run with an error there.)
+  rows; every loss normalises by the rows and tokens it is given). If some rank kept none (or
+  fewer than one ``steps_per_generation`` slice needs), every rank trains on its last
+  generation batch as drawn instead, as with dynamic sampling off (its groups of equal rewards
+  have zero advantage: only the KL and entropy terms act on them), and logs
+  ``dynamic_sampling/unfiltered`` 1: the run neither stalls nor trains on an empty batch. (verl
+  stops the run with an error there.)
 * **Everything generated counts**: the task sampler observes every generation batch, dropped
   groups included (its logged ``task_sampler/*`` metrics are the last batch's), and
   ``tokens/generated`` counts every sampled token. The rollout metrics (``reward/mean``,
@@ -212,7 +213,7 @@ class DynamicSampling:
             if fewest >= self.share or drawn == self.max_batches:
                 break
         groups = min(fewest, self.share) // self.unit * self.unit
-        if groups == 0:  # some rank kept nothing: the last batch as drawn
+        if groups == 0:  # a rank kept less than one step's groups: the last batch as drawn
             trained = batch
         elif drawn == 1 and groups * size == len(batch):  # nothing dropped: the batch itself
             trained = batch
