@@ -198,9 +198,12 @@ class GenerationBatch:
 
     @property
     def generated_tokens(self) -> float:
-        """Tokens the policy sampled in this batch on this rank (episodes: its own turns)."""
+        """Tokens the policy sampled for this batch on this rank (episodes: its own turns),
+        the groups dynamic sampling dropped included."""
         if self.rollout is None:
             return 0.0
+        if self.rollout.sampled_tokens is not None:
+            return self.rollout.sampled_tokens
         return float(self.rollout.completion_mask.sum())
 
     def optimizer_steps(

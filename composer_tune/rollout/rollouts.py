@@ -86,6 +86,9 @@ class RolloutBatch:
         draw_metrics: how the batch's prompts were chosen (the task sampler's metrics, and
             dynamic sampling's), logged with the rollout metrics; a whole-batch field that
             :meth:`select` copies.
+        sampled_tokens: the completion tokens this rank sampled to make the batch where that is
+            more than it holds (dynamic sampling's dropped groups); None: its own, the
+            ``completion_mask`` count. A whole-batch field that :meth:`select` leaves out.
     """
 
     tokens: Tensor
@@ -108,6 +111,7 @@ class RolloutBatch:
     window_truncated: Tensor | None = None
     policy_version: Tensor | None = None
     draw_metrics: dict[str, float] = dataclass_field(default_factory=dict)
+    sampled_tokens: float | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -132,22 +136,42 @@ class RolloutBatch:
         picked: dict[str, Any] = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name == "draw_metrics":
-                picked[field.name] = dict(value)
-            else:
+            if field.name not in _WHOLE_BATCH_FIELDS:
                 picked[field.name] = value[rows] if value is not None else None
         width = int((picked["prompt_lengths"] + picked["completion_lengths"]).max())
-        for name in (
-            "tokens",
-            "input_pos",
-            "completion_mask",
-            "old_logp",
-            "ref_logp",
-            "sampling_logp",
-        ):
+        for name in _COLUMN_FIELDS:
             if picked[name] is not None:
                 picked[name] = picked[name][:, :width]
-        return RolloutBatch(**picked)
+        return RolloutBatch(**picked, draw_metrics=dict(self.draw_metrics))
+
+    @classmethod
+    def cat(cls, parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """The rows of ``parts`` in order as one batch, right-padded to the widest row
+        (``tokens`` with ``pad_id``, masks False, log-probs 0); each part's prompts are numbered
+        after the previous part's, so rows of different batches never share a group. The
+        whole-batch fields are left at their defaults."""
+        if not parts:
+            raise ValueError("RolloutBatch.cat: no batches to join")
+        width = max(part.tokens.shape[1] for part in parts)
+        joined: dict[str, Any] = {}
+        for field in fields(cls):
+            name = field.name
+            values = [getattr(part, name) for part in parts]
+            if name in _WHOLE_BATCH_FIELDS:
+                continue
+            if all(value is None for value in values):
+                joined[name] = None
+            elif any(value is None for value in values):
+                raise ValueError(f"RolloutBatch.cat: {name} is set in some batches only")
+            elif name == "group_ids":
+                joined[name] = torch.cat(_numbered_after(values))
+            elif name in _COLUMN_FIELDS:
+                joined[name] = torch.cat([_widened(name, v, width, pad_id) for v in values])
+            elif isinstance(values[0], Tensor):
+                joined[name] = torch.cat(values)
+            else:  # per-row lists
+                joined[name] = [item for value in values for item in value]
+        return cls(**joined)
 
     def micro_batches(self, micro_batch_size: int) -> list[RolloutBatch]:
         """Consecutive row slices of at most ``micro_batch_size`` rows (the last may be shorter).
@@ -161,6 +185,34 @@ class RolloutBatch:
             self.select(slice(start, start + micro_batch_size))
             for start in range(0, len(self), micro_batch_size)
         ]
+
+
+# [N, T] fields in the target frame (the module docstring), and fields of the whole batch.
+_COLUMN_FIELDS = ("tokens", "input_pos", "completion_mask", "old_logp", "ref_logp", "sampling_logp")
+_WHOLE_BATCH_FIELDS = ("draw_metrics", "sampled_tokens")
+
+
+def _widened(name: str, value: Tensor, width: int, pad_id: int) -> Tensor:
+    """The ``[N, T]`` field ``name`` right-padded to ``width`` columns as packing pads it."""
+    extra = width - value.shape[1]
+    if extra == 0:
+        return value
+    if name == "input_pos":  # position t in column t
+        columns = torch.arange(value.shape[1], width, device=value.device, dtype=value.dtype)
+        return torch.cat([value, columns.expand(value.shape[0], extra)], dim=1)
+    fill = pad_id if name == "tokens" else 0
+    return F.pad(value, (0, extra), value=fill)
+
+
+def _numbered_after(group_ids: list[Tensor]) -> list[Tensor]:
+    """Each batch's group ids renumbered 0, 1, ... in order of appearance, after the previous
+    batch's."""
+    numbered, offset = [], 0
+    for ids in group_ids:
+        _, index = torch.unique_consecutive(ids, return_inverse=True)
+        numbered.append(index + offset)
+        offset += int(index.max()) + 1 if ids.numel() else 0
+    return numbered
 
 
 def sequence_logprobs(

@@ -32,6 +32,7 @@ from composer_tune.rollout.async_rollouts import (
 )
 from composer_tune.rollout.engines import build_rollout_engine
 from composer_tune.rollout.rollouts import RolloutBatch
+from composer_tune.run.dynamic_sampling import DynamicSampling
 from composer_tune.run.lengths import check_prompt_lengths
 from composer_tune.run.loop import (
     LoopChores,
@@ -73,7 +74,8 @@ class RLRun:
         lr_scheduler, task (prompts, reward, held-out set; checked against the model's window
         at set-up), progress (the resumable state),
         initial (the starting checkpoint: a warm start's, ``checkpoint.initial_checkpoint`` or
-        None), current (the checkpoint the policy was loaded from), resumed, identity; and, after
+        None), current (the checkpoint the policy was loaded from), resumed, identity,
+        dynamic_sampling (:class:`DynamicSampling`, None when off); and, after
         :meth:`finish_setup`, engine (the colocated vLLM engine, or None), stream (the rollout
         worker's :class:`AsyncRollouts` with ``rollout.max_staleness >= 1`` or a server, else
         None) and metric_log.
@@ -103,6 +105,9 @@ class RLRun:
                 "rollout worker (rollout.max_staleness >= 1 or rollout.server.url) draws ahead "
                 "of them, which is not built: set task_sampler=null or rollout.max_staleness=0"
             )
+        self.dynamic_sampling = DynamicSampling.from_config(
+            cfg, dist, policy_weight=channels.policy_weight, pad_id=self.tokenizer.pad_id
+        )
         # Stale staging, the checkpoint to resume, the run's identity (refusing another run's).
         self._start = start_run(cfg, dist, schema=schema, continuing=continuing)
         self.identity = self._start.identity
@@ -237,12 +242,18 @@ class RLRun:
         self, reference: Any = None, *, push_always: bool = False
     ) -> Iterator[RolloutBatch]:
         """Every generation batch's rollouts in turn, from the run's data position on: sampled
-        here by :meth:`rollout` (``max_staleness: 0``), or by the rollout worker ahead of
-        training (:class:`AsyncRollouts`; the trainer then adds the old and ``reference``
-        log-probs with its current weights)."""
+        here by :meth:`rollout` (``max_staleness: 0``; with ``dynamic_sampling`` on, each is
+        a training batch of the informative groups of one or more generation batches), or by
+        the rollout worker ahead of training (:class:`AsyncRollouts`; the trainer then adds the
+        old and ``reference`` log-probs with its current weights)."""
         if self.stream is None:  # the prompt batches never end
-            for samples in self.prompt_batches():
-                yield self.rollout(samples, reference, push_always=push_always)
+            generated = (
+                self.rollout(samples, reference, push_always=push_always)
+                for samples in self.prompt_batches()
+            )
+            if self.dynamic_sampling is not None:  # only informative groups, refilled
+                generated = self.dynamic_sampling.batches(generated)
+            yield from generated
             return
         settings = {
             "temperature": self.cfg.temperature,

@@ -19,6 +19,7 @@ from composer_tune.channels.sdpo.channel import SDPOChannelConfig
 from composer_tune.checkpointing.warm_start import WarmStartSection
 from composer_tune.config import TrainingConfig
 from composer_tune.rollout.engines import RolloutSection
+from composer_tune.run.dynamic_sampling import DynamicSamplingSection
 from composer_tune.run.task_sampler import TaskSamplerSection
 
 __all__ = ["DPOChannelConfig", "RLRecipeConfig", "SDPOChannelConfig"]
@@ -73,3 +74,7 @@ class RLRecipeConfig(TrainingConfig):
     # Tasks chosen by their recent pass rate under the policy (target rate, retirement,
     # promotion to harder variants; composer_tune/run/task_sampler.py); null: uniform epochs.
     task_sampler: TaskSamplerSection | None = None
+    # DAPO's dynamic sampling: drop the groups whose scored rewards are all equal and draw more
+    # prompts, up to max_generation_batches, until the batch holds train_groups groups
+    # (composer_tune/run/dynamic_sampling.py); off by default.
+    dynamic_sampling: DynamicSamplingSection = field(default_factory=DynamicSamplingSection)
