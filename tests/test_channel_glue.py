@@ -4,13 +4,19 @@ step normalisation counts what the loss divides by, and every recipe builds the 
 initial weights on every rank."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torchtune import training
 
 from composer_tune import config
-from composer_tune.channels.composer import ComposerChannels
+from composer_tune.channels.composer import (
+    UNSCORED_BATCHES_LIMIT,
+    ComposerChannels,
+    ComposerObjective,
+    RewardUnscoredError,
+)
 from composer_tune.channels.policy import step_normalization
 from composer_tune.channels.sdpo.teacher import (
     EMATeacher,
@@ -132,3 +138,21 @@ def test_random_init_is_the_same_whatever_the_rank_seeded(
         instance.cleanup()
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name
+
+
+def test_a_run_stops_when_its_reward_scores_nothing_three_batches_in_a_row() -> None:
+    """reward/unscored 1.0 for UNSCORED_BATCHES_LIMIT generation batches in a row stops the run
+    with the first row's reason; a batch with one row scored starts the count again."""
+    objective = object.__new__(ComposerObjective)  # the check reads only its own counter
+    objective._unscored_batches = 0
+    rollout = SimpleNamespace(feedback=["unscored: the sandbox could not run the grader (x)"])
+    check = objective._stop_if_nothing_is_scored
+    for unscored in (1.0, 1.0, 0.5, 1.0, 1.0):  # never three in a row
+        check(rollout, unscored)
+    with pytest.raises(RewardUnscoredError) as raised:
+        check(rollout, 1.0)
+    assert str(raised.value) == (
+        f"the reward scored no completion of the last {UNSCORED_BATCHES_LIMIT} generation "
+        "batches (reward/unscored 1.0); the first one's reason: unscored: the sandbox could not "
+        "run the grader (x)"
+    )

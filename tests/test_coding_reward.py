@@ -7,6 +7,7 @@ against trusted candidate solutions.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from composer_tune.data.coding import (
 )
 from composer_tune.rewards.base import RewardResult
 from composer_tune.rewards.coding import CodeExecutionReward, extract_code
-from composer_tune.rewards.sandbox import SandboxLimits
+from composer_tune.rewards.sandbox import SandboxLimits, SandboxResult
 
 PROBLEMS = Path(__file__).parent / "assets" / "coding" / "problems.jsonl"
 LIMITS = SandboxLimits(wall_time_s=5.0, cpu_time_s=5.0, memory_bytes=256 * 2**20)
@@ -225,3 +226,25 @@ def test_per_test_timeout_keeps_partial_credit(dataset: list[dict]) -> None:
         [_fenced(hangs_on_empty)], [{**sample, "timeout_s": 1.0}]
     )
     assert whole.score == 0.0 and whole.feedback.startswith("timed out after 1s")
+
+
+def test_a_sandbox_that_cannot_start_leaves_the_completion_unscored(
+    dataset: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grade the sandbox could not run says nothing of the code: NaN (zero advantage) with the
+    reason, not the 0.0 of a wrong answer (a run once trained on such zeros for hours)."""
+    import composer_tune.rewards.split as split
+
+    def cannot_start(code: str, **_: object) -> SandboxResult:
+        return SandboxResult("sandbox_error", None, "", "", 0.0, "could not start: unshare: ENOMEM")
+
+    sample = dataset[0]
+    monkeypatch.setattr(split, "run_python", cannot_start)
+    [result] = CodeExecutionReward(limits=LIMITS)([_fenced(sample["solution"])], [sample])
+    assert math.isnan(result.score) and result.correct is None
+    assert result.feedback == (
+        "unscored: the sandbox could not run the grader (could not start: unshare: ENOMEM)"
+    )
+    monkeypatch.undo()  # the same completion, graded by a working sandbox
+    [result] = CodeExecutionReward(limits=LIMITS)([_fenced(sample["solution"])], [sample])
+    assert result.score == 1.0

@@ -180,7 +180,8 @@ class RepositoryEnvironment:
         )
 
     def get_reward(self) -> float:
-        """The hidden tests, run by the split grader on a scrubbed copy of the working tree."""
+        """The hidden tests, run by the split grader on a scrubbed copy of the working tree (NaN,
+        unscored, when the sandbox could not run them)."""
         task, tree = self._started()
         result = grade_repository(
             tree,
@@ -192,6 +193,9 @@ class RepositoryEnvironment:
             per_test_timeout_s=self.per_test_timeout_s,
         )
         self.last_grade = result
+        if result.sandbox_failure is not None:  # not the agent's failure: unscored
+            self.reward_feedback = f"unscored: {result.sandbox_failure}"
+            return math.nan
         if result.all_passed:
             self.reward_feedback = ""
             return 1.0

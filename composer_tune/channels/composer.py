@@ -75,6 +75,15 @@ from composer_tune.run.loop import build_model
 # ----------------------------------------------------------------------------- configuration
 
 
+# Generation batches in a row whose every row is unscored before a run stops (see
+# ComposerObjective._stop_if_nothing_is_scored).
+UNSCORED_BATCHES_LIMIT = 3
+
+
+class RewardUnscoredError(RuntimeError):
+    """The reward scored nothing for ``UNSCORED_BATCHES_LIMIT`` generation batches in a row."""
+
+
 @dataclass(frozen=True)
 class ComposerChannels:
     """The three channels' settings: ``policy_weight`` and ``loss`` (channel 1), ``sdpo``
@@ -300,6 +309,7 @@ class ComposerObjective:
     ) -> None:
         self.model = model
         self.channels = channels
+        self._unscored_batches = 0  # generation batches in a row with no row scored
         self.tokenizer = tokenizer
         self.dist = dist
         self.micro_batch_size = micro_batch_size
@@ -372,7 +382,22 @@ class ComposerObjective:
             teacher_batch = build_sdpo_teacher_batch(
                 rollout, tokenizer=self.tokenizer, cfg=self.channels.sdpo
             )
-        return GenerationBatch(rollout, advantages, teacher_batch, rollout_metrics(rollout))
+        metrics = rollout_metrics(rollout)
+        self._stop_if_nothing_is_scored(rollout, metrics["reward/unscored"])
+        return GenerationBatch(rollout, advantages, teacher_batch, metrics)
+
+    def _stop_if_nothing_is_scored(self, rollout: RolloutBatch, unscored: float) -> None:
+        """A reward that scores no row of ``UNSCORED_BATCHES_LIMIT`` generation batches in a
+        row is broken (a grader that cannot start, an environment without ``get_reward``):
+        the run stops with the first row's reason instead of training on nothing for hours.
+        ``unscored`` is over every rank, so the ranks stop together."""
+        self._unscored_batches = self._unscored_batches + 1 if unscored >= 1.0 else 0
+        if self._unscored_batches >= UNSCORED_BATCHES_LIMIT:
+            reason = (rollout.feedback[0] if rollout.feedback else "") or "no reason given"
+            raise RewardUnscoredError(
+                f"the reward scored no completion of the last {UNSCORED_BATCHES_LIMIT} "
+                f"generation batches (reward/unscored 1.0); the first one's reason: {reason}"
+            )
 
     def backward(
         self, step: StepData, pair_batch: PreferenceBatch | None, *, on_policy: bool

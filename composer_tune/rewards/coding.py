@@ -19,6 +19,7 @@ verdict (tests/test_grader_hostile.py). See docs/grader.md.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,8 @@ class CodeExecutionReward:
 
     def _verdict(self, run: SplitRun, tests: Sequence[str], budget: float) -> RewardResult:
         report, num_tests = run.report, len(tests)
+        if run.sandbox_failure is not None:  # the machine's failure, not the completion's
+            return RewardResult(math.nan, None, f"unscored: {run.sandbox_failure}")
         if report is None or report.get("timed_out"):
             if report is not None or run.grader.status == "timeout":
                 return RewardResult(0.0, False, f"timed out after {budget:g}s")

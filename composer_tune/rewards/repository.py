@@ -121,6 +121,8 @@ class HiddenTestsResult:
     outcomes: dict[str, str]
     feedback: str
     left_out: list[str] = field(default_factory=list)
+    # Why the sandbox could not run the grade (it says nothing of the tree), or None.
+    sandbox_failure: str | None = None
 
     @property
     def all_passed(self) -> bool:
@@ -189,7 +191,11 @@ def grade_repository(
         missing = [node for node, outcome in outcomes.items() if outcome == "missing"]
         if missing and not feedback:
             feedback = f"{len(missing)} hidden tests did not run (e.g. {missing[0]})"
-    return HiddenTestsResult(passed, len(node_ids), outcomes, feedback, left_out)
+    if run.sandbox_failure is not None:
+        feedback = run.sandbox_failure
+    return HiddenTestsResult(
+        passed, len(node_ids), outcomes, feedback, left_out, run.sandbox_failure
+    )
 
 
 def _with_slack(limits: SandboxLimits) -> SandboxLimits:

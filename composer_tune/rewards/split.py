@@ -39,6 +39,15 @@ class SplitRun:
     solution: SandboxResult
     report: dict | None
 
+    @property
+    def sandbox_failure(self) -> str | None:
+        """Why the sandbox could not run one of the two programs (status "sandbox_error"), or
+        None: such a run says nothing of the solution, so it must not be scored."""
+        for side, result in (("grader", self.grader), ("solution", self.solution)):
+            if result.status == "sandbox_error":
+                return f"the sandbox could not run the {side} ({result.detail})"
+        return None
+
 
 def run_split(
     *,

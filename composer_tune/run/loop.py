@@ -417,6 +417,9 @@ class LoopChores:
         # Tokens sampled since the last step; counted only by recipes that sample.
         self._generated = 0.0
         self._samples = False
+        # (step, result) of the last periodic evaluation: the end of the run reuses it when it
+        # was at the last step instead of evaluating the same weights again.
+        self._evaluated: tuple[int, Any] | None = None
 
     def rollout_sampled(self, generated_tokens: float) -> None:
         """Counts the completion tokens this rank just sampled."""
@@ -473,7 +476,7 @@ class LoopChores:
             # the logging cadence (accuracy against generated tokens reads them).
             self.log(progress.token_metrics())
         if self.eval_every and progress.step % self.eval_every == 0:
-            self.evaluate()
+            self._evaluated = (progress.step, self.evaluate())
 
     def train_on(
         self,
@@ -525,10 +528,14 @@ class LoopChores:
         return True
 
     def finish(self) -> Any:
-        """The end of the run: the last evaluation, and a checkpoint unless the periodic one
-        already saved this step; returns the evaluation's result."""
+        """The end of the run: the last evaluation (the periodic one's when it was at this
+        step), and a checkpoint unless the periodic one already saved this step; returns the
+        evaluation's result."""
         self.bar.close()
-        after = self.evaluate()
+        if self._evaluated is not None and self._evaluated[0] == self.progress.step:
+            after = self._evaluated[1]
+        else:
+            after = self.evaluate()
         every = self.cfg.checkpoint.save_every_n_steps
         if not (every and self.progress.step % every == 0):
             self.save_checkpoint()
