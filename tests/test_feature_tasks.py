@@ -371,6 +371,26 @@ def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
         detect_layout(tmp_path / "inside")
 
 
+def test_a_refused_source_leaves_the_store_as_it_was(tmp_path: Path) -> None:
+    # Its suite needs a package the sandbox lacks (funcy 2.0's needs `whatever`): no test passes.
+    broken = {
+        "LICENSE": TINY["LICENSE"],
+        "pkg/__init__.py": "X = 1\n",
+        "tests/test_x.py": "import a_missing_dependency\n\n\ndef test_x():\n    pass\n",
+    }
+    _write(tmp_path / "broken-1.0", broken)
+    store = tmp_path / "store"
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py")]
+        + [str(tmp_path / "broken-1.0"), "--store", str(store)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 2 and "no test passes on the original" in done.stderr, done.stderr
+    assert [path for path in store.rglob("*") if path.is_file()] == []
+
+
 # --------------------------------------------------------------------------------------------
 # The store format
 

@@ -268,12 +268,15 @@ def make_repo(
         shutil.copyfile(licence, filtered / licence.name)
         archive = archive_path(store, repo)
         partial = archive.with_name(archive.name + ".partial")
-        sha256 = write_archive(filtered, partial)
-        # Tasks are made from the archive's own contents, exactly what training unpacks.
-        unpacked = Path(scratch) / "unpacked"
-        extract_archive(partial, unpacked, sha256)
-        report = generate_tasks(unpacked, repo, sha256, settings, progress=print)
-        os.replace(partial, archive)
+        try:
+            sha256 = write_archive(filtered, partial)
+            # Tasks are made from the archive's own contents, exactly what training unpacks.
+            unpacked = Path(scratch) / "unpacked"
+            extract_archive(partial, unpacked, sha256)
+            report = generate_tasks(unpacked, repo, sha256, settings, progress=print)
+            os.replace(partial, archive)
+        finally:  # a refused source leaves nothing in the store
+            partial.unlink(missing_ok=True)
         shutil.copyfile(licence, license_path(store, repo))
     counts: dict = {"license": kind, "baseline_tests": report.baseline_passed}
     for name, made in report.kinds.items():
