@@ -17,13 +17,15 @@ generator makes each a candidate of the task format (``Feature.kind == "bug"``,
 (``composer_tune.data.feature_generator``): some baseline tests fail, at most the allowed
 share, the grader passes them on the original and fails them on the agent's tree, and every
 other test passes there. The sites come round by round (every function's first, then every
-function's second, ...), each function starting at another operator, so that a
-``max_candidates`` cap spreads over the package's functions and the operators alike.
+function's second, ...), the functions in an order fixed by a hash of their names and each
+starting at another operator, so that a ``max_candidates`` cap spreads over the package's
+files, functions and operators alike.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -216,8 +218,15 @@ def find_bug_sites(
                 if site is not None:
                     sites.append((file, qualname, function, operator, site))
             per_function.append(sites)
+    # Within a round, functions in an order fixed by their names' hash, not by file: a cap on
+    # the candidates spreads over the package's files too.
+    per_function.sort(key=lambda sites: _name_hash(*sites[0][:2]) if sites else "")
     depth = max((len(sites) for sites in per_function), default=0)
     return [sites[r] for r in range(depth) for sites in per_function if r < len(sites)]
+
+
+def _name_hash(file: str, qualname: str) -> str:
+    return hashlib.sha256(f"{file}:{qualname}".encode()).hexdigest()
 
 
 def _first_site(
