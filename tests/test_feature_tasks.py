@@ -28,6 +28,7 @@ from composer_tune.data.feature_generator import (
 )
 from composer_tune.data.feature_tasks import (
     COUNTS_FILE,
+    TASKS_FILE,
     FeatureTask,
     FeatureTaskError,
     apply_edits,
@@ -371,24 +372,42 @@ def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
         detect_layout(tmp_path / "inside")
 
 
+def _one_module_repository(root: Path, package: str, tests: str) -> Path:
+    """A repository with a licence, ``pkg/__init__.py`` and ``tests/test_x.py``."""
+    _write(root, {"LICENSE": TINY["LICENSE"], "pkg/__init__.py": package, "tests/test_x.py": tests})
+    return root
+
+
 def test_a_refused_source_leaves_the_store_as_it_was(tmp_path: Path) -> None:
     # Its suite needs a package the sandbox lacks (funcy 2.0's needs `whatever`): no test passes.
-    broken = {
-        "LICENSE": TINY["LICENSE"],
-        "pkg/__init__.py": "X = 1\n",
-        "tests/test_x.py": "import a_missing_dependency\n\n\ndef test_x():\n    pass\n",
-    }
-    _write(tmp_path / "broken-1.0", broken)
+    broken = _one_module_repository(
+        tmp_path / "broken-1.0",
+        "X = 1\n",
+        "import a_missing_dependency\n\n\ndef test_x():\n    pass\n",
+    )
     store = tmp_path / "store"
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py")]
-        + [str(tmp_path / "broken-1.0"), "--store", str(store)],
+        + [str(broken), "--store", str(store)],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
     )
     assert done.returncode == 2 and "no test passes on the original" in done.stderr, done.stderr
     assert [path for path in store.rglob("*") if path.is_file()] == []
+
+
+def test_a_source_without_tasks_is_not_kept(tmp_path: Path) -> None:
+    # Its suite passes but reaches none of its code: no candidate fails a test.
+    untested = _one_module_repository(
+        tmp_path / "untested-1.0", "def double(x):\n    return 2 * x\n", "def test_x():\n    pass\n"
+    )
+    store = tmp_path / "store"
+    done = _make_feature_tasks(str(untested), "--store", str(store))
+    assert "untested-1.0: no task, so its source is not kept" in done.stdout
+    files = sorted(path.name for path in store.rglob("*") if path.is_file())
+    assert files == sorted([COUNTS_FILE, TASKS_FILE])
+    assert json.loads((store / COUNTS_FILE).read_text()) == {}
 
 
 # --------------------------------------------------------------------------------------------

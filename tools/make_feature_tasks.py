@@ -450,13 +450,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if row["repo"] != repo or task_kind(row) not in repo_settings.kinds
                 ] + repo_rows
                 rows.sort(key=lambda row: (row["repo"], row["id"]))
+                print(f"{repo}: {len(repo_rows)} tasks ({counts[repo]})")
+                kept = any(row["repo"] == repo for row in rows)
+                if not kept:  # a source no task needs is not kept (its reasons were printed)
+                    del counts[repo]
                 _write_atomic(
                     store / TASKS_FILE, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
                 )
                 _write_atomic(
                     store / COUNTS_FILE, json.dumps(dict(sorted(counts.items())), indent=2) + "\n"
                 )
-                print(f"{repo}: {len(repo_rows)} tasks ({counts[repo]})")
+                if not kept:
+                    archive_path(store, repo).unlink()
+                    license_path(store, repo).unlink()
+                    print(f"{repo}: no task, so its source is not kept in the store")
     except GenerationError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
