@@ -496,6 +496,12 @@ def test_shipped_store_counts_licences_and_size() -> None:
         assert license_path(SHIPPED, repo).read_text().strip(), repo
     for task in tasks:
         assert file_sha256(archive_path(SHIPPED, task.repo)) == task.source_sha256
+    # Sources with no task are not kept; both kinds are shipped (docs/feature_tasks.md).
+    assert {p.name for p in (SHIPPED / "sources").iterdir()} == {
+        f"{repo}{suffix}" for repo in counts for suffix in (".tar.gz", ".LICENSE")
+    }
+    assert len(counts) >= 12 and len(tasks) >= 200
+    assert {task.feature.kind == "bug" for task in tasks} == {True, False}
     size = sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file())
     assert size < 3 * 2**20  # each source once, tasks as edits
 
