@@ -372,6 +372,16 @@ def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
         detect_layout(tmp_path / "inside")
 
 
+def test_unknown_task_kinds_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py"), "--regenerate"]
+        + ["--store", str(tmp_path), "--kinds", "feature,typo"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "error: --kinds 'feature,typo'" in done.stderr
+
+
 def _one_module_repository(root: Path, package: str, tests: str) -> Path:
     """A repository with a licence, ``pkg/__init__.py`` and ``tests/test_x.py``."""
     _write(root, {"LICENSE": TINY["LICENSE"], "pkg/__init__.py": package, "tests/test_x.py": tests})

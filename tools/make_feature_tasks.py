@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make feature-deletion tasks from Python repositories with a pytest suite.
+"""Make feature-deletion and procedural-bug tasks from Python repositories with a pytest suite.
 
 Each SOURCE is a folder (a checkout or an unpacked sdist), an sdist archive (.tar.gz, .zip),
 or pypi:NAME==VERSION (the sdist is downloaded with pip now, at generation time; training
@@ -9,10 +9,12 @@ of it (the deletion, and the hidden tests cut out of the agent's test files). Ho
 chosen and validated: composer_tune/data/feature_generator.py; the format:
 composer_tune/data/feature_tasks.py; docs/coding_tasks.md.
 
-A repository's tasks replace its earlier ones in tasks.jsonl; counts.json holds, per source,
-the baseline tests, the candidates found, the tasks kept and why the others were rejected.
-Files are written beside their final names and renamed, so an interrupted run keeps the old
-store.
+--kinds feature,bug also makes procedural bugs (composer_tune/data/procedural_bugs.py). A
+repository's tasks of the kinds made replace its earlier ones of those kinds in tasks.jsonl;
+counts.json holds, per source, the baseline tests and, per kind, the candidates found, the tasks
+kept, why the others were rejected and the caps used (--regenerate makes each source again with
+them); a source that gives no task is not kept. Files are written beside their final names and
+renamed, so an interrupted run keeps the old store.
 
 --check validates every stored task again instead (after a change to the grader, say): its
 hidden tests must all pass on the original (graded once per repository, every task's tests
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--store", type=Path, required=True, help="the task store folder")
     parser.add_argument(
-        "--name", help="repository name for a single folder SOURCE (default: its name)"
+        "--name", help="repository name for a single folder or archive SOURCE (default: its name)"
     )
     parser.add_argument(
         "--regenerate",
