@@ -3,6 +3,7 @@ and its errors, and the shipped store (tests/assets/feature_tasks)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -27,6 +28,8 @@ from composer_tune.data.feature_generator import (
 )
 from composer_tune.data.feature_tasks import (
     COUNTS_FILE,
+    TASKS_FILE,
+    FeatureTask,
     FeatureTaskError,
     apply_edits,
     archive_path,
@@ -40,6 +43,7 @@ from composer_tune.data.feature_tasks import (
     sample_tasks,
     text_sha256,
 )
+from composer_tune.data.procedural_bugs import OPERATORS, find_bug_sites
 from composer_tune.rewards.repository import grade_repository
 from composer_tune.rewards.sandbox import SandboxLimits, private_root_available
 
@@ -176,10 +180,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def generated(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The tool run on the folder: (store, its tasks by qualname, its counts, its output)."""
+    """The tool run on the folder, both kinds: (store, its deletion tasks by qualname, its
+    counts, its output)."""
     store = tmp_path_factory.mktemp("store")
-    done = _make_feature_tasks(str(tiny), "--store", str(store))
-    tasks = {task.feature.qualname: task for task in load_feature_tasks(store)}
+    done = _make_feature_tasks(
+        str(tiny), "--store", str(store), "--kinds", "feature,bug", "--max-candidates", "8"
+    )
+    tasks = {t.feature.qualname: t for t in load_feature_tasks(store) if t.feature.kind != "bug"}
     counts = json.loads((store / COUNTS_FILE).read_text())["tinylib-0.1"]
     return store, tasks, counts, done.stdout
 
@@ -233,15 +240,20 @@ def test_generator_makes_validated_tasks(generated) -> None:
 def test_agent_tree_hides_the_feature_and_its_tests(generated, tmp_path: Path) -> None:
     store, tasks, _, _ = generated
     task = tasks["Counter.most_common"]
-    materialize_agent_tree(store, task, tmp_path / "agent")
+    _assert_graded_as_validated(store, task, tmp_path)
     source = (tmp_path / "agent" / "src" / "tinylib" / "text.py").read_text()
     assert "Counter.most_common was removed" in source and "-pair[1]" not in source
     tests = (tmp_path / "agent" / "tests" / "test_text.py").read_text()
     assert "def test_most_common" not in tests and "def test_add_returns_the_counter" in tests
-    materialize_tests_tree(store, task, tmp_path / "hidden")
     assert not (tmp_path / "hidden" / "src" / "tinylib").exists()
     assert "def test_most_common" in (tmp_path / "hidden" / "tests" / "test_text.py").read_text()
-    # The grader: the agent's tree fails, the original passes, as the generator checked.
+
+
+def _assert_graded_as_validated(store: Path, task: FeatureTask, tmp_path: Path) -> None:
+    """The grader fails the task's agent tree (tmp_path/agent) on its hidden tests (the tests
+    tree: tmp_path/hidden) and passes the original, as the generator checked."""
+    materialize_agent_tree(store, task, tmp_path / "agent")
+    materialize_tests_tree(store, task, tmp_path / "hidden")
     grade = dict(
         tests_tree=tmp_path / "hidden",
         import_root="src",
@@ -267,8 +279,73 @@ def test_generator_refuses_candidates_whose_code_the_sandbox_shows(
     settings = GenerationSettings(max_candidates=3, workers=1)
     lines: list[str] = []
     report = generate_tasks(tiny, "tinylib-0.1", "0" * 64, settings, progress=lines.append)
-    assert report.tasks == [] and report.rejected == {LEAKED_OUTSIDE: 3}
+    assert report.tasks == [] and report.kinds["feature"].rejected == {LEAKED_OUTSIDE: 3}
     assert any(f"a copy at {planted / 'text.py'}" in line for line in lines), lines
+
+
+def test_bug_sites_change_one_thing_and_keep_the_formatting(tmp_path: Path) -> None:
+    source = tmp_path / "pkg.py"
+    source.write_text(
+        "def scale(values, low=0):\n"
+        '    """Docstring: 1 == 1 and 3 stay."""\n'
+        "    if not values:  # nothing to do\n"
+        "        return []\n"
+        "    top = max(values,\n"
+        "              key=abs) * 2\n"
+        "    return [min(v, top) for v in values if v >= low and v is not None]\n"
+        "\n"
+        "\n"
+        "def bracketed(a, b):\n"
+        "    if (a) <= (b):  # a < b or equal\n"
+        "        return (a) and (\n"
+        "            b)\n"
+        "    return b\n"
+    )
+    found = find_bug_sites(tmp_path, ["pkg.py"])
+    sites = {op: edit for _, name, _, op, edit in found if name == "scale"}
+    assert set(sites) == set(OPERATORS)
+    last = "    return [min(v, top) for v in values if v >= low and v is not None]\n"
+    expected = {
+        "flip_comparison": (7, last.replace("v >= low", "v > low")),  # off by one
+        "change_constant": (6, "              key=abs) * 3\n"),
+        "swap_arguments": (7, last.replace("min(v, top)", "min(top, v)")),
+        "flip_boolean": (7, last.replace(" and ", " or ")),
+        "drop_branch": (3, "    pass\n"),
+    }
+    assert {op: (e.start, e.replacement) for op, e in sites.items()} == expected
+    assert sites["drop_branch"].end == 4  # the whole if statement
+    # Brackets and comments around an operator stay; only the operator changes.
+    others = {op: edit for _, name, _, op, edit in found if name == "bracketed"}
+    assert others["flip_comparison"].replacement == "    if (a) < (b):  # a < b or equal\n"
+    assert others["flip_boolean"].replacement == "        return (a) or (\n            b)\n"
+    # Round by round (every function's first site, then every function's second), the second
+    # function starting at the second operator: a cap on the candidates spreads over functions
+    # and operators.
+    first_round = {(name, op) for _, name, _, op, _ in found[:2]}
+    # bracketed has no constant and no call to swap: its first site flips a boolean
+    assert first_round == {("scale", OPERATORS[0]), ("bracketed", "flip_boolean")}
+    assert [op for _, name, _, op, _ in found if name == "scale"] == list(OPERATORS)
+    lines = source.read_text().splitlines(keepends=True)
+    for *_, edit in found:  # each names the text it replaces, and the result parses
+        assert text_sha256("".join(lines[edit.start - 1 : edit.end])) == edit.original_sha256
+        ast.parse("".join(lines[: edit.start - 1]) + edit.replacement + "".join(lines[edit.end :]))
+
+
+def test_generator_makes_validated_bug_tasks(generated, tmp_path: Path) -> None:
+    store, _, counts, output = generated
+    bugs = [task for task in load_feature_tasks(store) if task.feature.kind == "bug"]
+    assert counts["bug"]["tasks"] == len(bugs) >= 2, output
+    assert sum(counts["bug"]["rejected"].values()) + len(bugs) == counts["bug"]["candidates"]
+    for task in bugs:
+        assert task.id.endswith(f":{task.feature.qualname}:{task.feature.mutation}")
+        assert task.feature.mutation in OPERATORS
+        assert f"A bug has been introduced into `{task.feature.qualname}`" in task.statement
+        assert task.deletion.replacement not in task.statement
+        assert task.validation["hidden_failed_deleted"] == len(task.hidden_tests) > 0
+    task = bugs[0]
+    _assert_graded_as_validated(store, task, tmp_path)
+    sample = next(s for s in load_feature_task_dataset(store) if s["id"] == task.id)
+    assert "original code where the bug is" in sample["solution"]
 
 
 def test_removing_every_test_of_a_class_keeps_it_valid(tiny: Path, tmp_path: Path) -> None:
@@ -293,6 +370,54 @@ def test_generator_refuses_repositories_it_cannot_use(tmp_path: Path) -> None:
     _write(tmp_path / "inside", inside)
     with pytest.raises(GenerationError, match="tests live inside the package: not supported"):
         detect_layout(tmp_path / "inside")
+
+
+def test_unknown_task_kinds_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py"), "--regenerate"]
+        + ["--store", str(tmp_path), "--kinds", "feature,typo"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "error: --kinds 'feature,typo'" in done.stderr
+
+
+def _one_module_repository(root: Path, package: str, tests: str) -> Path:
+    """A repository with a licence, ``pkg/__init__.py`` and ``tests/test_x.py``."""
+    _write(root, {"LICENSE": TINY["LICENSE"], "pkg/__init__.py": package, "tests/test_x.py": tests})
+    return root
+
+
+def test_a_refused_source_leaves_the_store_as_it_was(tmp_path: Path) -> None:
+    # Its suite needs a package the sandbox lacks (funcy 2.0's needs `whatever`): no test passes.
+    broken = _one_module_repository(
+        tmp_path / "broken-1.0",
+        "X = 1\n",
+        "import a_missing_dependency\n\n\ndef test_x():\n    pass\n",
+    )
+    store = tmp_path / "store"
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_feature_tasks.py")]
+        + [str(broken), "--store", str(store)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 2 and "no test passes on the original" in done.stderr, done.stderr
+    assert [path for path in store.rglob("*") if path.is_file()] == []
+
+
+def test_a_source_without_tasks_is_not_kept(tmp_path: Path) -> None:
+    # Its suite passes but reaches none of its code: no candidate fails a test.
+    untested = _one_module_repository(
+        tmp_path / "untested-1.0", "def double(x):\n    return 2 * x\n", "def test_x():\n    pass\n"
+    )
+    store = tmp_path / "store"
+    done = _make_feature_tasks(str(untested), "--store", str(store))
+    assert "untested-1.0: no task, so its source is not kept" in done.stdout
+    files = sorted(path.name for path in store.rglob("*") if path.is_file())
+    assert files == sorted([COUNTS_FILE, TASKS_FILE])
+    assert json.loads((store / COUNTS_FILE).read_text()) == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,13 +496,22 @@ def test_store_damage_is_reported(small_store: Path, tmp_path: Path) -> None:
 def test_shipped_store_counts_licences_and_size() -> None:
     tasks = load_feature_tasks(SHIPPED)
     counts = json.loads((SHIPPED / COUNTS_FILE).read_text())
-    assert len(counts) >= 3
     for repo, entry in counts.items():
-        assert entry["tasks"] == sum(task.repo == repo for task in tasks) > 0, repo
+        deletions = sum(task.repo == repo and task.feature.kind != "bug" for task in tasks)
+        bugs = sum(task.repo == repo and task.feature.kind == "bug" for task in tasks)
+        assert entry.get("tasks", 0) == deletions, repo
+        assert entry.get("bug", {}).get("tasks", 0) == bugs, repo
+        assert deletions + bugs > 0, repo
         assert entry["license"] in ("MIT", "BSD", "Apache-2.0", "ISC"), repo
         assert license_path(SHIPPED, repo).read_text().strip(), repo
     for task in tasks:
         assert file_sha256(archive_path(SHIPPED, task.repo)) == task.source_sha256
+    # Sources with no task are not kept; both kinds are shipped (docs/feature_tasks.md).
+    assert {p.name for p in (SHIPPED / "sources").iterdir()} == {
+        f"{repo}{suffix}" for repo in counts for suffix in (".tar.gz", ".LICENSE")
+    }
+    assert len(counts) >= 12 and len(tasks) >= 200
+    assert {task.feature.kind == "bug" for task in tasks} == {True, False}
     size = sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file())
     assert size < 3 * 2**20  # each source once, tasks as edits
 
@@ -413,16 +547,18 @@ def test_regenerating_a_shipped_source_reproduces_its_tasks(tmp_path: Path) -> N
     store = tmp_path / "store"
     (store / "sources").mkdir(parents=True)
     shutil.copy(archive_path(SHIPPED, repo), archive_path(store, repo))
+    # Its counts say which kinds it was made with, and each kind's limits.
+    made = {repo: json.loads((SHIPPED / COUNTS_FILE).read_text())[repo]}
+    (store / COUNTS_FILE).write_text(json.dumps(made))
     _make_feature_tasks("--regenerate", "--store", str(store))
     shipped = [t.to_json() for t in load_feature_tasks(SHIPPED) if t.repo == repo]
     assert [t.to_json() for t in load_feature_tasks(store)] == shipped
     assert archive_path(store, repo).read_bytes() == archive_path(SHIPPED, repo).read_bytes()
 
 
-@pytest.mark.slow  # grades 4 originals and 52 agent trees and searches the sandbox for 52 tasks' code
-def test_every_shipped_task_validates_under_the_current_grader() -> None:
-    done = _make_feature_tasks("--check", "--store", str(SHIPPED))
-    assert (
-        f"{len(load_feature_tasks(SHIPPED))} of {len(load_feature_tasks(SHIPPED))} tasks validate"
-        in done.stdout
-    )
+@pytest.mark.slow  # grades 2 tasks of each source and searches the sandbox for their code
+def test_shipped_tasks_validate_under_the_current_grader() -> None:
+    # Every task: `tools/make_feature_tasks.py --check` (minutes; docs/feature_tasks.md).
+    done = _make_feature_tasks("--check", "--sample", "2", "--store", str(SHIPPED))
+    expected = len(sample_tasks(load_feature_tasks(SHIPPED), 2))
+    assert f"{expected} of {expected} tasks validate" in done.stdout

@@ -18,6 +18,7 @@ from composer_tune.agents.repository import EnvironmentReward, RepositoryEnviron
 from composer_tune.agents.tools import ToolCall, call_tool, environment_tools
 from composer_tune.config import load_recipe_config
 from composer_tune.data.feature_tasks import (
+    LineEdit,
     load_feature_task_dataset,
     read_source_file,
     removed_code,
@@ -192,6 +193,21 @@ def test_scripted_episode_logs_tool_calls_and_reward() -> None:
     ]
     assert not any(call["error"] for call in oracle["tool_calls"])
     assert "passed" in oracle["tool_calls"][3]["content"]
+
+
+def test_oracle_restores_an_edit_whose_text_occurs_more_than_once() -> None:
+    # A bug task's changed line (here a dropped branch's ``pass``) may occur elsewhere too: the
+    # oracle widens its replace_in_file text until it occurs once.
+    restoring_edit = load_tool("feature_task_episode").restoring_edit
+    original = "def f():\n    pass\n\n\ndef g(a):\n    if a:\n        return 1\n"
+    bug = LineEdit("m.py", 6, 7, "    pass\n", "")
+    damaged = "def f():\n    pass\n\n\ndef g(a):\n    pass\n"
+    old, new = restoring_edit(bug, original)
+    assert damaged.count(old) == 1 and damaged.replace(old, new) == original
+    assert restoring_edit(LineEdit("m.py", 7, 7, "        return 2\n", ""), original) == (
+        "        return 2\n",
+        "        return 1\n",
+    )
 
 
 def test_model_episode_through_the_tool_logs_reward_and_feedback(tmp_path: Path) -> None:

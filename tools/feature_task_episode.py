@@ -9,9 +9,10 @@ printed and written to --out as JSON.
 
 --policy model samples from the config's policy as a run of it starts (its warm start or
 checkpoint.initial_checkpoint; the cpu_smoke configs' random toy model: it calls no tool and
-scores 0). --policy oracle replays a scripted agent instead of a model: it
-lists the files, reads the damaged function, puts the removed code back with replace_in_file,
-runs the visible tests and answers; it scores 1 when the environment and the grader work.
+scores 0). --policy oracle replays a scripted agent instead of a model: it lists the files,
+reads the damaged function, puts the removed code (a bug task: the original lines) back with
+replace_in_file, runs the visible tests and answers; it scores 1 when the environment and the
+grader work.
 
 Examples:
     python tools/feature_task_episode.py --config cpu_smoke_feature_tasks --policy oracle
@@ -39,8 +40,8 @@ from composer_tune.agents.episodes import EpisodeLimits, EpisodeRunner, score_ep
 from composer_tune.checkpointing.warm_start import initial_checkpoint  # noqa: E402
 from composer_tune.config import ConfigError, instantiate, load_recipe_config  # noqa: E402
 from composer_tune.data.feature_tasks import (  # noqa: E402
+    LineEdit,
     read_source_file,
-    removed_code,
     task_from_sample,
 )
 from composer_tune.distributed import DistInfo  # noqa: E402
@@ -70,11 +71,27 @@ def _call(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
+def restoring_edit(deletion: LineEdit, original_file: str) -> tuple[str, str]:
+    """(old, new) for replace_in_file that undoes ``deletion``: the text it put in, with as
+    many lines around it as make it occur once in the damaged file (a bug's changed line or a
+    class's ``pass`` may occur more often), and the original text of the same lines."""
+    lines = original_file.splitlines(keepends=True)
+    start, end = deletion.start - 1, deletion.end
+    damaged = "".join(lines[:start]) + deletion.replacement + "".join(lines[end:])
+    for around in range(len(lines) + 1):
+        before = "".join(lines[max(0, start - around) : start])
+        after = "".join(lines[end : end + around])
+        old = before + deletion.replacement + after
+        if old and damaged.count(old) == 1:
+            return old, before + "".join(lines[start:end]) + after
+    raise ValueError(f"{deletion.file}: no text around the edit occurs once")
+
+
 def oracle_script(sample: dict[str, Any]) -> list[str]:
     """The scripted agent's turns for ``sample``: look, read, restore, test, answer."""
     task, store = task_from_sample(sample)
     deletion = task.deletion
-    original = removed_code(task, read_source_file(store, task, deletion.file))
+    old, new = restoring_edit(deletion, read_source_file(store, task, deletion.file))
     return [
         _call("list_files", {"path": "."}),
         _call(
@@ -85,9 +102,7 @@ def oracle_script(sample: dict[str, Any]) -> list[str]:
                 "end_line": deletion.end + 5,
             },
         ),
-        _call(
-            "replace_in_file", {"path": deletion.file, "old": deletion.replacement, "new": original}
-        ),
+        _call("replace_in_file", {"path": deletion.file, "old": old, "new": new}),
         _call("run_tests", {"tests": ""}),
         f"I restored `{task.feature.qualname}` in {deletion.file}; the visible tests pass.",
     ]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make feature-deletion tasks from Python repositories with a pytest suite.
+"""Make feature-deletion and procedural-bug tasks from Python repositories with a pytest suite.
 
 Each SOURCE is a folder (a checkout or an unpacked sdist), an sdist archive (.tar.gz, .zip),
 or pypi:NAME==VERSION (the sdist is downloaded with pip now, at generation time; training
@@ -9,10 +9,12 @@ of it (the deletion, and the hidden tests cut out of the agent's test files). Ho
 chosen and validated: composer_tune/data/feature_generator.py; the format:
 composer_tune/data/feature_tasks.py; docs/coding_tasks.md.
 
-A repository's tasks replace its earlier ones in tasks.jsonl; counts.json holds, per source,
-the baseline tests, the candidates found, the tasks kept and why the others were rejected.
-Files are written beside their final names and renamed, so an interrupted run keeps the old
-store.
+--kinds feature,bug also makes procedural bugs (composer_tune/data/procedural_bugs.py). A
+repository's tasks of the kinds made replace its earlier ones of those kinds in tasks.jsonl;
+counts.json holds, per source, the baseline tests and, per kind, the candidates found, the tasks
+kept, why the others were rejected and the caps used (--regenerate makes each source again with
+them); a source that gives no task is not kept. Files are written beside their final names and
+renamed, so an interrupted run keeps the old store.
 
 --check validates every stored task again instead (after a change to the grader, say): its
 hidden tests must all pass on the original (graded once per repository, every task's tests
@@ -43,6 +45,7 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 # Runnable as a script from a checkout without installing the package.
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--store", type=Path, required=True, help="the task store folder")
     parser.add_argument(
-        "--name", help="repository name for a single folder SOURCE (default: its name)"
+        "--name", help="repository name for a single folder or archive SOURCE (default: its name)"
     )
     parser.add_argument(
         "--regenerate",
@@ -119,9 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="with --check: only K tasks of each source, spread over its tasks (tests use 1)",
     )
-    parser.add_argument("--max-tasks", type=int, default=20, help="tasks kept per repository")
     parser.add_argument(
-        "--max-candidates", type=int, default=400, help="candidates considered per repository"
+        "--kinds",
+        default="feature",
+        help="comma-separated task kinds to make: feature (deletions), bug (procedural bugs)",
+    )
+    parser.add_argument(
+        "--max-tasks",
+        type=int,
+        default=20,
+        help="tasks kept per repository and kind (--regenerate: as counts.json says)",
+    )
+    parser.add_argument(
+        "--max-candidates",
+        type=int,
+        default=400,
+        help="candidates tried per repository and kind (--regenerate: as counts.json says)",
     )
     parser.add_argument("--workers", type=int, default=2, help="candidates tried at once")
     parser.add_argument(
@@ -168,8 +184,9 @@ def _unpack(archive: Path, destination: Path) -> Path:
     else:
         with tarfile.open(archive) as packed:
             packed.extractall(destination, filter="data")
-    entries = [p for p in destination.iterdir() if p.is_dir()]
-    return entries[0] if len(entries) == 1 else destination
+    # An sdist has one top folder; a store's archive (--regenerate's input) has none.
+    entries = list(destination.iterdir())
+    return entries[0] if len(entries) == 1 and entries[0].is_dir() else destination
 
 
 def _download(requirement: str, into: Path) -> Path:
@@ -238,7 +255,8 @@ def _read_store(store: Path) -> tuple[list[dict], dict]:
 def make_repo(
     folder: Path, repo: str, store: Path, settings: GenerationSettings, allow_copyleft: bool
 ) -> tuple[list[dict], dict]:
-    """Store ``folder``'s filtered source and licence; return its tasks (JSON rows) and counts."""
+    """Store ``folder``'s filtered source and licence; return its tasks (JSON rows) of
+    ``settings.kinds`` and their counts (a deletion's at the top level, bugs' under "bug")."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", repo):
         raise GenerationError(f"repository name {repo!r}: use letters, digits and . _ + -")
     licence = _license(folder)
@@ -252,21 +270,57 @@ def make_repo(
         shutil.copyfile(licence, filtered / licence.name)
         archive = archive_path(store, repo)
         partial = archive.with_name(archive.name + ".partial")
-        sha256 = write_archive(filtered, partial)
-        # Tasks are made from the archive's own contents, exactly what training unpacks.
-        unpacked = Path(scratch) / "unpacked"
-        extract_archive(partial, unpacked, sha256)
-        report = generate_tasks(unpacked, repo, sha256, settings, progress=print)
-        os.replace(partial, archive)
+        try:
+            sha256 = write_archive(filtered, partial)
+            # Tasks are made from the archive's own contents, exactly what training unpacks.
+            unpacked = Path(scratch) / "unpacked"
+            extract_archive(partial, unpacked, sha256)
+            report = generate_tasks(unpacked, repo, sha256, settings, progress=print)
+            os.replace(partial, archive)
+        finally:  # a refused source leaves nothing in the store
+            partial.unlink(missing_ok=True)
         shutil.copyfile(licence, license_path(store, repo))
-    counts = {
-        "license": kind,
-        "baseline_tests": report.baseline_passed,
-        "candidates": report.candidates,
-        "tasks": len(report.tasks),
-        "rejected": dict(sorted(report.rejected.items())),
-    }
+    counts: dict = {"license": kind, "baseline_tests": report.baseline_passed}
+    for name, made in report.kinds.items():
+        max_tasks, max_candidates = settings.limits(name)
+        entry = {
+            "candidates": made.candidates,
+            "tasks": len(made.tasks),
+            "rejected": dict(sorted(made.rejected.items())),
+            "max_tasks": max_tasks,
+            "max_candidates": max_candidates,
+        }
+        if name == "feature":
+            counts.update(entry)
+        else:
+            counts[name] = entry
     return [json.loads(task.to_json()) for task in report.tasks], counts
+
+
+def task_kind(row: dict) -> str:
+    """A stored task's kind as ``--kinds`` names it."""
+    return "bug" if row["feature"]["kind"] == "bug" else "feature"
+
+
+def _kind_counts(entry: dict) -> dict[str, dict]:
+    """A source's counts.json entry per kind (a deletion's at the top level, bugs' under
+    "bug")."""
+    made = {"feature": entry} if "tasks" in entry else {}
+    return made | ({"bug": entry["bug"]} if "bug" in entry else {})
+
+
+def _as_made(entry: dict, settings: GenerationSettings) -> GenerationSettings:
+    """``settings`` for regenerating a source as counts.json says it was made: its kinds, each
+    with its max_tasks and max_candidates (``settings``' where it names none)."""
+    made = _kind_counts(entry)
+    limits = {
+        kind: (
+            counts.get("max_tasks", settings.max_tasks),
+            counts.get("max_candidates", settings.max_candidates),
+        )
+        for kind, counts in made.items()
+    }
+    return replace(settings, kinds=tuple(made), kind_limits=limits)
 
 
 def check_store(
@@ -352,8 +406,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     # A terminated run unwinds (temporary folders removed, the old store kept).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    kinds = tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip()))
+    if not kinds or not set(kinds) <= {"feature", "bug"}:
+        print(f"error: --kinds {args.kinds!r}: use feature, bug or feature,bug", file=sys.stderr)
+        return 2
     settings = GenerationSettings(
-        max_tasks=args.max_tasks, max_candidates=args.max_candidates, workers=args.workers
+        kinds=kinds,
+        max_tasks=args.max_tasks,
+        max_candidates=args.max_candidates,
+        workers=args.workers,
     )
     store: Path = args.store
     try:
@@ -371,30 +432,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, counts = _read_store(store)
         with tempfile.TemporaryDirectory(prefix="composer-featuretool-") as scratch:
             scratch = Path(scratch)
-            work = [_resolve(source, scratch, args.name) for source in args.sources]
-            if args.regenerate:
+            work = [(*_resolve(s, scratch, args.name), settings) for s in args.sources]
+            if args.regenerate:  # each source as it was made
                 for archive in sorted((store / "sources").glob("*.tar.gz")):
                     folder = scratch / "regenerate" / archive.name
                     extract_archive(archive, folder)
-                    work.append((folder, archive.name.removesuffix(".tar.gz")))
-            for folder, repo in work:
+                    repo = archive.name.removesuffix(".tar.gz")
+                    made = _as_made(counts.get(repo, {}), settings)
+                    work.append((folder, repo, made if made.kinds else settings))
+            for folder, repo, repo_settings in work:
                 print(f"{repo}: making tasks from {folder}")
-                repo_rows, counts[repo] = make_repo(
-                    folder, repo, store, settings, args.allow_copyleft
+                repo_rows, new_counts = make_repo(
+                    folder, repo, store, repo_settings, args.allow_copyleft
                 )
-                rows = [row for row in rows if row["repo"] != repo] + repo_rows
+                counts[repo] = {**counts.get(repo, {}), **new_counts}
+                rows = [
+                    row
+                    for row in rows
+                    if row["repo"] != repo or task_kind(row) not in repo_settings.kinds
+                ] + repo_rows
                 rows.sort(key=lambda row: (row["repo"], row["id"]))
+                print(f"{repo}: {len(repo_rows)} tasks ({counts[repo]})")
+                kept = any(row["repo"] == repo for row in rows)
+                if not kept:  # a source no task needs is not kept (its reasons were printed)
+                    del counts[repo]
                 _write_atomic(
                     store / TASKS_FILE, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
                 )
                 _write_atomic(
                     store / COUNTS_FILE, json.dumps(dict(sorted(counts.items())), indent=2) + "\n"
                 )
-                print(f"{repo}: {counts[repo]['tasks']} tasks ({counts[repo]})")
+                if not kept:
+                    archive_path(store, repo).unlink()
+                    license_path(store, repo).unlink()
+                    print(f"{repo}: no task, so its source is not kept in the store")
     except GenerationError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    total = sum(entry["tasks"] for entry in counts.values())
+    total = sum(c["tasks"] for e in counts.values() for c in _kind_counts(e).values())
     print(f"{store}: {total} tasks from {len(counts)} repositories")
     return 0
 

@@ -1,4 +1,5 @@
-"""Making feature-deletion tasks from a Python repository with a pytest suite.
+"""Making feature-deletion tasks (and procedural-bug tasks) from a Python repository with a
+pytest suite.
 
 For one repository (a folder: an unpacked sdist or a checkout):
 
@@ -7,7 +8,9 @@ For one repository (a folder: an unpacked sdist or a checkout):
 2. **Baseline**: the suite runs twice on the original, each test in the sandbox that
    training uses (stdlib and pytest only); tests that pass both times are the baseline.
 3. **Candidates**: every function, method (no dunders), class and small module of the
-   package with a body of at most ``MAX_FEATURE_LINES`` lines, in file and line order.
+   package with a body of at most ``MAX_FEATURE_LINES`` lines, in file and line order; for
+   the bug kind, one procedural bug per function and operator
+   (``composer_tune.data.procedural_bugs``), which then goes through the same steps.
 4. **Deletion**: the body is replaced (``raise NotImplementedError`` for functions and
    methods, ``pass`` for classes, nothing for modules) and the whole suite runs again. The
    candidate is kept when the package still imports (no collection error), some baseline
@@ -19,7 +22,7 @@ For one repository (a folder: an unpacked sdist or a checkout):
 6. **Leak check** (``composer_tune.data.task_leaks``): a candidate whose deleted code the
    sandbox shows outside the working copy (checked first, for every candidate at once) or
    that the agent's working copy still holds elsewhere is refused.
-7. **Dedup**: one task per set of hidden tests, in candidate order.
+7. **Dedup**: one task per kind and set of hidden tests, in candidate order.
 
 Everything runs in the sandbox, so a task validates in the environment it will be trained in.
 """
@@ -34,7 +37,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +50,7 @@ from composer_tune.data.feature_tasks import (
     package_paths,
     text_sha256,
 )
+from composer_tune.data.procedural_bugs import find_bug_sites
 from composer_tune.data.task_leaks import (
     Fingerprint,
     candidate_fingerprints,
@@ -380,6 +384,28 @@ def find_candidates(root: Path, layout: Layout) -> list[Candidate]:
     return found
 
 
+def find_bug_candidates(root: Path, layout: Layout) -> list[Candidate]:
+    """Procedural bugs of the package's functions and methods (one per function and operator,
+    round by round: composer_tune/data/procedural_bugs.py)."""
+    return [
+        Candidate(
+            Feature(
+                kind="bug",
+                file=file,
+                qualname=qualname,
+                signature=_signature(function),
+                docstring=(ast.get_docstring(function) or "")[:1500],  # type: ignore[arg-type]
+                lines=edit.end - edit.start + 1,
+                mutation=operator,
+            ),
+            edit,
+        )
+        for file, qualname, function, operator, edit in find_bug_sites(
+            root, list(layout.package_files)
+        )
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # Hidden tests
 
@@ -454,6 +480,19 @@ def statement(repo: str, layout: Layout, feature: Feature, hidden: Sequence[str]
     """The task as the agent reads it: what is missing, its signature and documentation, and
     the names of the tests that will check it (never their contents)."""
     packages = ", ".join(f"`{p}`" for p in layout.packages)
+    names = sorted({function_key(node).split("::", 1)[1] for node in hidden})
+    shown = ", ".join(f"`{name}`" for name in names[:12]) + (" ..." if len(names) > 12 else "")
+    checks = (
+        f"Hidden tests will check it: {shown}. The other tests of the suite pass now and "
+        "must keep passing; run them with the run_tests tool."
+    )
+    if feature.kind == "bug":
+        return (
+            f"The repository `{repo}` (Python package {packages}) is in your working "
+            f"directory. A bug has been introduced into `{feature.qualname}` in "
+            f"`{feature.file}`: the package no longer behaves as it did. Find the bug and fix "
+            f"it.\n\nSignature: `{feature.signature}`\n\n{checks}"
+        )
     what = {
         "function": f"the body of the function `{feature.qualname}`",
         "method": f"the body of the method `{feature.qualname}`",
@@ -466,16 +505,13 @@ def statement(repo: str, layout: Layout, feature: Feature, hidden: Sequence[str]
         "class": "Only its docstring and a `pass` are left.",
         "module": "Only its docstring is left.",
     }[feature.kind]
-    names = sorted({function_key(node).split("::", 1)[1] for node in hidden})
-    shown = ", ".join(f"`{name}`" for name in names[:12]) + (" ..." if len(names) > 12 else "")
     parts = [
         f"The repository `{repo}` (Python package {packages}) is in your working directory. "
         f"A feature has been removed from it: {what} in `{feature.file}`. {now} "
         "Implement it again so that the package behaves as it did before.",
         f"Signature: `{feature.signature}`" if feature.signature else "",
         f'Documentation:\n"""\n{feature.docstring}\n"""' if feature.docstring else "",
-        f"Hidden tests will check it: {shown}. The other tests of the suite pass now and "
-        "must keep passing; run them with the run_tests tool.",
+        checks,
     ]
     return "\n\n".join(part for part in parts if part)
 
@@ -485,25 +521,41 @@ def statement(repo: str, layout: Layout, feature: Feature, hidden: Sequence[str]
 
 
 @dataclass
-class RepoReport:
-    """What the generator did with one repository."""
+class KindReport:
+    """What the generator did with one kind of candidate ("feature": deletions, "bug":
+    procedural bugs): candidates found, tasks kept, and why the others were rejected."""
 
-    repo: str
-    baseline_passed: int = 0
     candidates: int = 0
     tasks: list[FeatureTask] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class RepoReport:
+    """What the generator did with one repository, per kind of task."""
+
+    repo: str
+    baseline_passed: int = 0
+    kinds: dict[str, KindReport] = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> list[FeatureTask]:
+        return [task for kind in self.kinds.values() for task in kind.tasks]
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
-    """max_tasks: stop after this many tasks; max_candidates: try at most this many;
-    max_failing_fraction: a deletion that fails more of the suite is too central;
+    """kinds: which tasks to make ("feature": deletions, "bug": procedural bugs); max_tasks:
+    stop after this many tasks of a kind; max_candidates: try at most this many of a kind;
+    kind_limits: (max_tasks, max_candidates) of some kinds instead (a store regenerated as it
+    was made); max_failing_fraction: a deletion that fails more of the suite is too central;
     min_hidden: hidden tests the grader must be able to decide; grade_limits: the grader's
     budget per run; workers: candidates tried at once."""
 
+    kinds: tuple[str, ...] = ("feature",)
     max_tasks: int = 20
     max_candidates: int = 400
+    kind_limits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     max_failing_fraction: float = 0.5
     min_hidden: int = 1
     grade_limits: SandboxLimits = SandboxLimits(
@@ -515,6 +567,10 @@ class GenerationSettings:
         max_output_bytes=16 * 2**20,
     )
     workers: int = 2
+
+    def limits(self, kind: str) -> tuple[int, int]:
+        """(max_tasks, max_candidates) of ``kind``."""
+        return self.kind_limits.get(kind, (self.max_tasks, self.max_candidates))
 
 
 def generate_tasks(
@@ -551,14 +607,17 @@ def generate_tasks(
             raise GenerationError(f"{repo}: no test passes on the original: {first.failure[-800:]}")
         visible_files = tuple(sorted({node.split("::", 1)[0] for node in passing}))
         spans = spans_of_test_functions(source, visible_files)
-        candidates = find_candidates(source, layout)[: settings.max_candidates]
-        report.candidates = len(candidates)
-        seen_hidden: set[frozenset[str]] = set()
+        found = {
+            "feature": lambda: find_candidates(source, layout),
+            "bug": lambda: find_bug_candidates(source, layout),
+        }
+        candidates = {kind: found[kind]()[: settings.limits(kind)[1]] for kind in settings.kinds}
         # The leak check: a candidate whose deleted code the sandbox shows is no task.
+        every = [c for kind in settings.kinds for c in candidates[kind]]
         prints = {
             print_.task_id: print_
             for print_ in candidate_fingerprints(
-                source, [(_task_id(repo, c), c.feature, c.deletion) for c in candidates]
+                source, [(_task_id(repo, c), c.feature, c.deletion) for c in every]
             )
         }
         reachable = (
@@ -587,29 +646,57 @@ def generate_tasks(
             )
 
         with ThreadPoolExecutor(max_workers=settings.workers) as pool:
-            for index in range(0, len(candidates), settings.workers * 2):
-                if len(report.tasks) >= settings.max_tasks:
-                    break
-                batch = candidates[index : index + settings.workers * 2]
-                for candidate, (verdict, task) in zip(batch, pool.map(attempt, batch), strict=True):
-                    name = f"{candidate.feature.file}:{candidate.feature.qualname}"
-                    if task is not None:
-                        key = frozenset(task.hidden_tests)
-                        if key in seen_hidden:
-                            verdict, task = "same hidden tests as an earlier task", None
-                        elif len(report.tasks) >= settings.max_tasks:
-                            verdict, task = "max_tasks reached", None
-                        else:
-                            seen_hidden.add(key)
-                            report.tasks.append(task)
-                    if task is None:
-                        report.rejected[verdict] = report.rejected.get(verdict, 0) + 1
-                    progress(f"{repo}: {name}: {verdict}")
+            for kind in settings.kinds:
+                report.kinds[kind] = _try_candidates(
+                    candidates[kind],
+                    attempt,
+                    pool,
+                    settings.workers,
+                    settings.limits(kind)[0],
+                    lambda line: progress(f"{repo}: {line}"),
+                )
+    return report
+
+
+def _try_candidates(
+    candidates: Sequence[Candidate],
+    attempt: Callable[[Candidate], tuple[str, FeatureTask | None]],
+    pool: ThreadPoolExecutor,
+    workers: int,
+    max_tasks: int,
+    progress: Callable[[str], None],
+) -> KindReport:
+    """Steps 4-7 of the module docstring for one kind's candidates, ``workers`` at a time,
+    until ``max_tasks`` tasks are kept."""
+    report = KindReport(candidates=len(candidates))
+    seen_hidden: set[frozenset[str]] = set()
+    for index in range(0, len(candidates), workers * 2):
+        if len(report.tasks) >= max_tasks:
+            break
+        batch = candidates[index : index + workers * 2]
+        for candidate, (verdict, task) in zip(batch, pool.map(attempt, batch), strict=True):
+            name = f"{candidate.feature.file}:{candidate.feature.qualname}"
+            if candidate.feature.mutation:
+                name += f" ({candidate.feature.mutation})"
+            if task is not None:
+                key = frozenset(task.hidden_tests)
+                if key in seen_hidden:
+                    verdict, task = "same hidden tests as an earlier task", None
+                elif len(report.tasks) >= max_tasks:
+                    verdict, task = "max_tasks reached", None
+                else:
+                    seen_hidden.add(key)
+                    report.tasks.append(task)
+            if task is None:
+                report.rejected[verdict] = report.rejected.get(verdict, 0) + 1
+            progress(f"{name}: {verdict}")
     return report
 
 
 def _task_id(repo: str, candidate: Candidate) -> str:
-    return f"{repo}:{candidate.feature.file}:{candidate.feature.qualname}"
+    feature = candidate.feature
+    bug = f":{feature.mutation}" if feature.mutation else ""
+    return f"{repo}:{feature.file}:{feature.qualname}{bug}"
 
 
 def _fresh(source: Path, scratch: Path, name: str) -> Path:

@@ -2,8 +2,11 @@
 
 A task is a real repository with one feature removed (a function's, method's or class's body,
 or a module's) that the agent must put back, graded by the tests that failed once it was gone
-(hidden from the agent) while the rest of the suite (which it may run) kept passing. Tasks are
-made by ``tools/make_feature_tasks.py`` (``composer_tune.data.feature_generator``).
+(hidden from the agent) while the rest of the suite (which it may run) kept passing. The same
+format holds the second kind, procedural bugs (``feature.kind == "bug"``: one small change
+inside a function, ``composer_tune.data.procedural_bugs``), which the agent must find and
+undo. Tasks are made by ``tools/make_feature_tasks.py``
+(``composer_tune.data.feature_generator``).
 
 Store layout (each source once, tasks as small edits of it)::
 
@@ -38,7 +41,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 TASKS_FILE = "tasks.jsonl"
 COUNTS_FILE = "counts.json"
-KINDS = ("function", "method", "class", "module")
+KINDS = ("function", "method", "class", "module", "bug")
 
 
 class FeatureTaskError(ValueError):
@@ -59,7 +62,9 @@ class LineEdit:
 
 @dataclass(frozen=True)
 class Feature:
-    """What was removed: ``kind`` (function, method, class, module), where, and how it reads."""
+    """What was removed: ``kind`` (function, method, class, module), where, and how it reads;
+    or, for a procedural bug (``kind`` "bug", composer_tune/data/procedural_bugs.py), the
+    function it is in and the ``mutation`` that made it."""
 
     kind: str
     file: str
@@ -67,6 +72,7 @@ class Feature:
     signature: str
     docstring: str
     lines: int
+    mutation: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,10 @@ class FeatureTask:
     validation: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        row = asdict(self)
+        if not row["feature"]["mutation"]:  # deletions: the format as it was before bugs
+            del row["feature"]["mutation"]
+        return json.dumps(row, sort_keys=True)
 
 
 def _relative(path: Any, what: str) -> str:
@@ -362,8 +371,9 @@ def task_to_sample(
     the archive unless ``original_file`` gives the feature file's original text)."""
     if original_file is None:
         original_file = read_source_file(store, task, task.deletion.file)
+    what = "original code where the bug is" if task.feature.kind == "bug" else "removed code"
     solution = (
-        f"The removed code of `{task.feature.qualname}` in `{task.deletion.file}` "
+        f"The {what} of `{task.feature.qualname}` in `{task.deletion.file}` "
         f"(lines {task.deletion.start}-{task.deletion.end}):\n```python\n"
         f"{removed_code(task, original_file)}```"
     )
@@ -418,12 +428,16 @@ def load_feature_task_dataset(
 def harder_than(task: FeatureTask, tasks: Sequence[FeatureTask]) -> list[str]:
     """The ids of ``tasks`` whose deletion ``task``'s contains (a class deleted whole holds its
     methods' deletions, a module its functions'): ``task`` is a harder variant of those, as
-    the task sampler (composer_tune/run/task_sampler.py) reads ``harder_than``."""
+    the task sampler (composer_tune/run/task_sampler.py) reads ``harder_than``. Deletions
+    only: a bug is no part of a feature."""
     mine = task.deletion
+    if task.feature.kind == "bug":
+        return []
     return [
         other.id
         for other in tasks
-        if other.repo == task.repo
+        if other.feature.kind != "bug"
+        and other.repo == task.repo
         and other.deletion.file == mine.file
         and mine.start <= other.deletion.start <= other.deletion.end <= mine.end
         and (other.deletion.start, other.deletion.end) != (mine.start, mine.end)
