@@ -4,6 +4,7 @@ results files written here, against values worked out by hand."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,16 +79,49 @@ def test_an_arm_without_a_completed_run_is_named(tmp_path: Path) -> None:
         ArmSource.parse("A2 runs/x")
 
 
-def test_the_command_writes_the_table_and_plots(tmp_path: Path) -> None:
-    ladder = _ladder(tmp_path / "a1", _run("a1", 0, 0.1, 0.3))
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "tools/code_ladder.py", "--arm", f"A1={ladder}:a1", "--out", str(out)],
+def test_sources_of_one_label_join_into_one_row_and_a_repeated_seed_is_refused(
+    tmp_path: Path,
+) -> None:
+    seed0 = _ladder(tmp_path / "s0", _run("a1", 0, 0.1, 0.3))
+    seed1 = _ladder(tmp_path / "s1", _run("a1", 1, None, 0.5), _run("a2", 1, None, 0.9))
+    joined = [ArmSource.parse(f"A1={seed1}:a1"), ArmSource.parse(f"A1={seed0}:a1")]
+    lines = table(joined).splitlines()
+    assert lines[3].startswith("| A1 | 2 | 0.400 ± 0.141 | 0.410 ± 0.141 |"), lines
+    assert len(lines) == 4  # one row for the label, the a2 run not read
+    seeds = [line.split(" | ")[1] for line in per_seed(joined).splitlines()[2:]]
+    assert seeds == ["0", "0", "1", "1"]  # by seed, whichever source came first
+    with pytest.raises(ValueError, match=r"A1: seed\(s\) \[0\] come from more than one source"):
+        table([*joined, ArmSource.parse(f"A1={seed0}:a1")])
+
+
+def _code_ladder(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "tools/code_ladder.py", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_the_command_writes_the_table_plots_and_a_record_that_rebuilds_the_table(
+    tmp_path: Path,
+) -> None:
+    first = _run("a1", 0, 0.1, 0.3)
+    first["metrics"][0]["loss"] = [[1, 2.0]]  # not a series the table reads: not kept
+    ladder = _ladder(tmp_path / "a1", first, _run("a2", 0, None, 0.6))
+    out = tmp_path / "out"
+    done = _code_ladder("--arm", f"A1={ladder}:a1", "--arm", f"A2={ladder}:a2", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "| A1 | 1 | 0.300 | 0.310 | 0.320 | 0.330 | 62.0 / 0.50 |" in done.stdout
     assert (out / "results.md").is_file() and (out / "reward.png").is_file()
+    kept = json.loads((out / "runs.json").read_text())["runs"]
+    assert sorted(kept) == ["A1/seed0", "A2/seed0"]
+    assert kept["A1/seed0"]["arm"] == "A1" and "loss" not in kept["A1/seed0"]["metrics"][0]
+    # The ladder folder gone, the record alone gives the same table.
+    shutil.rmtree(ladder)
+    again = _code_ladder(
+        "--arm", f"A1={out / 'runs.json'}:A1", "--arm", f"A2={out / 'runs.json'}:A2"
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == done.stdout

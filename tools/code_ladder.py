@@ -5,16 +5,20 @@
         --arm "A2 without the feedback=runs/code_ladder_a2_nofb:a2" \\
         --arm "A4 composer_full=runs/code_ladder_a4:a4" --arm "A1 flipped=runs/code_ladder_flip:a1"
 
-Each ``--arm LABEL=PATH:ARM`` is one row: PATH a ladder's folder (or its results.json), ARM the
-arm key in it. Writes ``results.md`` (the table: held-out pass@1 greedy and sampled on held-out
-templates and held-out parameters, mean ± std over seeds, A0 = step 0; then every run's figures)
-and ``reward.png`` / ``truncation.png`` (training reward and truncation per step, each arm's mean
-over seeds) into ``--out``, and prints the table.
+Each ``--arm LABEL=PATH:ARM`` is a source of one row: PATH a ladder's folder (or a results
+file), ARM the arm key in it; repeat a label to join seeds from several ladders into its row.
+Writes ``results.md`` (the table: held-out pass@1 greedy and sampled on held-out templates and
+held-out parameters, mean ± std over seeds, A0 = step 0; then every run's figures),
+``runs.json`` (every run it read, the series the table and plots need, its arm keys the labels:
+``--arm "A1 GRPO=OUT/runs.json:A1 GRPO"`` reads it back when the ladder folders are gone) and
+``reward.png`` / ``truncation.png`` (training reward and truncation per step, each arm's mean
+over the seeds that logged it) into ``--out``, and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,28 +31,29 @@ from composer_tune.analysis.code_ladder import (  # noqa: E402
     REWARD,
     TRUNCATED,
     ArmSource,
-    load_runs,
+    kept_runs,
     metric,
     per_seed,
+    runs_by_label,
     table,
 )
 
 
 def plot(sources: list[ArmSource], name: str, ylabel: str, path: Path) -> None:
-    """``name`` per step, each arm's mean over its seeds."""
+    """``name`` per step, each arm's mean over the seeds that logged it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    for source in sources:
+    for label, runs in runs_by_label(sources).items():
         by_step: dict[int, list[float]] = {}
-        for run in load_runs(source):
+        for run in runs:
             for step, value in metric(run, name):
                 by_step.setdefault(int(step), []).append(value)
         steps = sorted(by_step)
-        axes.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=source.label)
+        axes.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=label)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(ylabel)
     axes.legend(fontsize=8)
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sources = [ArmSource.parse(text) for text in args.arm]
-        summary, runs = table(sources), per_seed(sources)
+        summary, runs, kept = table(sources), per_seed(sources), kept_runs(sources)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# The code ladder\n\n`{command} --out {args.out}`\n\n{summary}\n\n"
             f"## Every run\n\n{runs}\n"
         )
+        (args.out / "runs.json").write_text(json.dumps(kept, indent=1) + "\n")
         plot(sources, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
         plot(
             sources, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png"

@@ -1,9 +1,11 @@
 """The code ladder's table: held-out pass@1 per arm on each held-out split, from ladder results.
 
 ``tools/ladder.py`` writes ``results.json`` (every metric series of every run). An arm of the
-code ladder is one ladder arm in one results file (several ladders ran side by side: A1 and A2,
-A2 without the feedback, A4, the flipped control), so each row names its file and arm key.
-Each cell is mean ± sample std over seeds; A0 is step 0 (the base model), read from every run.
+code ladder is one ladder arm in one or more results files (one ladder per arm and seed, run
+side by side), so each source names its file and arm key, and the sources of one label make one
+row. Each cell is mean ± sample std over seeds; A0 is step 0 (the base model), read from every
+run. ``kept_runs`` is the record of every run a table used, in the same format, so that a table
+can be rebuilt from the repository after the ladder folders are gone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ MODES = {"greedy": "eval/accuracy/", "sampled": "eval_sampled/accuracy/"}
 # Sampled training replies: mean length and the share cut off at max_new_tokens.
 LENGTH, TRUNCATED, REWARD = "completion_length/mean", "truncation_rate", "reward/mean"
 LAST_STEPS = 5  # reply length and truncation are averaged over the last steps
+# The series a kept record holds: everything the table and the plots read.
+KEPT_SERIES = (
+    *(prefix + split for prefix in MODES.values() for split in SPLITS),
+    LENGTH,
+    TRUNCATED,
+    REWARD,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,35 @@ def load_runs(source: ArmSource) -> list[dict[str, Any]]:
     if not ok:
         raise ValueError(f"{source.label}: no completed {source.arm} run in {source.results}")
     return ok
+
+
+def runs_by_label(sources: Sequence[ArmSource]) -> dict[str, list[dict[str, Any]]]:
+    """Each label's completed runs from all its sources, by seed (labels in first-seen order);
+    ValueError when a label has the same seed twice."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for source in sources:
+        grouped.setdefault(source.label, []).extend(load_runs(source))
+    for label, runs in grouped.items():
+        seeds = [run["seed"] for run in runs]
+        repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+        if repeated:
+            raise ValueError(f"{label}: seed(s) {repeated} come from more than one source")
+        runs.sort(key=lambda run: run["seed"])
+    return grouped
+
+
+def kept_runs(sources: Sequence[ArmSource]) -> dict[str, Any]:
+    """Every run the table reads, as a results file whose arm keys are the labels, holding only
+    the series in KEPT_SERIES (a few KB per run)."""
+    kept = {}
+    for label, runs in runs_by_label(sources).items():
+        for run in runs:
+            series = run["metrics"][0] if run["metrics"] else {}
+            record = {key: value for key, value in run.items() if key != "metrics"}
+            record["arm"] = label
+            record["metrics"] = [{name: series[name] for name in KEPT_SERIES if name in series}]
+            kept[f"{label}/seed{run['seed']}"] = record
+    return {"runs": kept}
 
 
 def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
@@ -108,12 +146,11 @@ def table(sources: Sequence[ArmSource]) -> str:
         "(last 5 steps) |\n|---|---|---|---|---|---|---|"
     )
     rows, base_runs = [], []
-    for source in sources:
-        runs = load_runs(source)
+    for label, runs in runs_by_label(sources).items():
         base_runs += runs
         values = arm_values(runs, None)
         rows.append(
-            f"| {source.label} | {len(runs)} | "
+            f"| {label} | {len(runs)} | "
             + " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
             + f" | {cell(values['reply_tokens'], 1)} / {cell(values['truncated'], 2)} |"
         )
@@ -135,14 +172,14 @@ def per_seed(sources: Sequence[ArmSource]) -> str:
         + " | wall (s) |\n|---|---|---|"
         + "---|" * (len(SPLITS) * len(MODES) + 1)
     ]
-    for source in sources:
-        for run in load_runs(source):
+    for label, runs in runs_by_label(sources).items():
+        for run in runs:
             for step in (0, None):
                 values = arm_values([run], step)
                 shown = "0" if step == 0 else "last"
                 figures = " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
                 lines.append(
-                    f"| {source.label} | {run['seed']} | {shown} | {figures} | "
+                    f"| {label} | {run['seed']} | {shown} | {figures} | "
                     f"{run.get('wall_s', float('nan')):.0f} |"
                 )
     return "\n".join(lines)
