@@ -78,7 +78,7 @@ from composer_tune.data.task_leaks import (  # noqa: E402
     sandbox_roots,
     store_fingerprints,
 )
-from composer_tune.rewards.repository import grade_repository  # noqa: E402
+from composer_tune.rewards.repository import HiddenTestsResult, grade_repository  # noqa: E402
 from composer_tune.rewards.sandbox import (  # noqa: E402
     WEAKER_ISOLATION,
     PrivateRootUnavailable,
@@ -346,13 +346,13 @@ def check_store(
                 tests_trees[task.repo] = scratch / "tests" / task.repo
                 materialize_tests_tree(store, task, tests_trees[task.repo])
 
-        def grade(tree: Path, task: FeatureTask, node_ids: Sequence[str]) -> dict[str, str]:
+        def grade(tree: Path, task: FeatureTask, node_ids: Sequence[str]) -> HiddenTestsResult:
             return grade_repository(
                 tree, tests_tree=tests_trees[task.repo], import_root=task.import_root,
                 packages=task.packages, node_ids=node_ids, limits=settings.grade_limits,
-            ).outcomes  # fmt: skip
+            )  # fmt: skip
 
-        def original(index_source: tuple[int, tuple]) -> dict[str, str]:
+        def original(index_source: tuple[int, tuple]) -> HiddenTestsResult:
             index, source = index_source
             of_source = [task for task in tasks if _source(task) == source]
             tree = scratch / f"original{index}"
@@ -364,9 +364,13 @@ def check_store(
             index, task = index_task
             agent = scratch / f"agent{index}"
             materialize_agent_tree(store, task, agent)
-            outcomes = grade(agent, task, task.hidden_tests)
-            passed = sum(originals[_source(task)][node] == "passed" for node in task.hidden_tests)
-            left = sum(outcome == "passed" for outcome in outcomes.values())
+            graded = grade(agent, task, task.hidden_tests)
+            unrun = originals[_source(task)].sandbox_failure or graded.sandbox_failure
+            if unrun is not None:  # "0 hidden tests pass on the agent's tree" would be a lie
+                return f"FAILED {task.id}: not checked, {unrun}"
+            outcomes = originals[_source(task)].outcomes
+            passed = sum(outcomes[node] == "passed" for node in task.hidden_tests)
+            left = sum(outcome == "passed" for outcome in graded.outcomes.values())
             total = len(task.hidden_tests)
             copies = reachable.get(task.id, []) + find_leaks(
                 [prints[task.id]], [(str(agent), ())]

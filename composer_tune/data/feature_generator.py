@@ -58,7 +58,12 @@ from composer_tune.data.task_leaks import (
     sandbox_roots,
 )
 from composer_tune.rewards.harness import program
-from composer_tune.rewards.repository import PYTEST_TARGET, REPO_TARGET, grade_repository
+from composer_tune.rewards.repository import (
+    PYTEST_TARGET,
+    REPO_TARGET,
+    HiddenTestsResult,
+    grade_repository,
+)
 from composer_tune.rewards.sandbox import (
     Mount,
     SandboxLimits,
@@ -693,6 +698,17 @@ def _try_candidates(
     return report
 
 
+def _stop_unless_graded(result: HiddenTestsResult, repo: str, candidate: Candidate) -> None:
+    """A grade the sandbox could not run says nothing of the candidate: counted as a rejection
+    it would make the store depend on the machine's state, and "no hidden test passes without
+    the feature" would accept a task nobody graded. So the source stops, its store unchanged."""
+    if result.sandbox_failure is not None:
+        raise GenerationError(
+            f"{_task_id(repo, candidate)}: {result.sandbox_failure}; nothing of {repo} was "
+            "written (run it again once the sandbox works)"
+        )
+
+
 def _task_id(repo: str, candidate: Candidate) -> str:
     feature = candidate.feature
     bug = f":{feature.mutation}" if feature.mutation else ""
@@ -746,12 +762,14 @@ def _attempt(
             limits=settings.grade_limits,
         )
         original = grade(source, node_ids=failing)
+        _stop_unless_graded(original, repo, candidate)
         hidden = [node for node in failing if original.outcomes[node] == "passed"]
         if len(hidden) < settings.min_hidden:
             return "the grader cannot decide its tests", None
         removals = removal_edits(source, functions)
         apply_edits(deleted, removals)
         without = grade(deleted, node_ids=hidden)
+        _stop_unless_graded(without, repo, candidate)
         if without.passed:
             return "a hidden test passes without the feature (split grader)", None
         visible = run_suite(deleted, layout, visible_files)
