@@ -42,8 +42,8 @@ import torch
 
 from composer_tune.data.feature_generator import (
     GenerationSettings,
-    _docstring_node,
-    _first_line,
+    docstring_node,
+    first_line,
 )
 from composer_tune.data.feature_tasks import (
     COUNTS_FILE,
@@ -225,9 +225,9 @@ def _definition_body(code: str, task: FeatureTask) -> list[str] | None:
         return None
     for node in ast.walk(tree):
         if isinstance(node, kinds) and node.name == name:
-            rest = node.body[1:] if _docstring_node(node.body) else node.body
+            rest = node.body[1:] if docstring_node(node.body) else node.body
             lines = code.splitlines(keepends=True)
-            return lines[_first_line(rest[0]) - 1 : node.end_lineno] if rest else []
+            return lines[first_line(rest[0]) - 1 : node.end_lineno] if rest else []
     return None
 
 
