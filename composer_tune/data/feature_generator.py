@@ -283,7 +283,7 @@ class Candidate:
     deletion: LineEdit
 
 
-def _docstring_node(body: list[ast.stmt]) -> bool:
+def docstring_node(body: list[ast.stmt]) -> bool:
     first = body[0] if body else None
     return (
         isinstance(first, ast.Expr)
@@ -292,7 +292,7 @@ def _docstring_node(body: list[ast.stmt]) -> bool:
     )
 
 
-def _first_line(node: ast.stmt) -> int:
+def first_line(node: ast.stmt) -> int:
     decorators = getattr(node, "decorator_list", [])
     return min([node.lineno, *(d.lineno for d in decorators)])
 
@@ -312,10 +312,10 @@ def _body_candidate(
     lines: list[str], file: str, node: ast.AST, kind: str, qualname: str
 ) -> Candidate | None:
     body = node.body  # type: ignore[attr-defined]
-    rest = body[1:] if _docstring_node(body) else body
+    rest = body[1:] if docstring_node(body) else body
     if not rest:
         return None
-    start, end = _first_line(rest[0]), node.end_lineno  # type: ignore[attr-defined]
+    start, end = first_line(rest[0]), node.end_lineno  # type: ignore[attr-defined]
     if start <= node.lineno or end - start + 1 < MIN_BODY_LINES:  # type: ignore[attr-defined]
         return None
     if end - start + 1 > MAX_FEATURE_LINES:
@@ -341,11 +341,11 @@ def _body_candidate(
 def _module_candidate(lines: list[str], file: str, tree: ast.Module) -> Candidate | None:
     if Path(file).name == "__init__.py":
         return None
-    body = tree.body[1:] if _docstring_node(tree.body) else tree.body
+    body = tree.body[1:] if docstring_node(tree.body) else tree.body
     body = [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
     if not body:
         return None
-    start, end = _first_line(body[0]), len(lines)
+    start, end = first_line(body[0]), len(lines)
     if not MIN_BODY_LINES <= end - start + 1 <= MAX_FEATURE_LINES:
         return None
     module = ".".join(Path(file).with_suffix("").parts[-2:])
@@ -431,7 +431,7 @@ def spans_of_test_functions(
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 spans[f"{prefix}::{node.name}"] = (
-                    _first_line(node),
+                    first_line(node),
                     node.end_lineno,
                     node.col_offset,
                 )
@@ -470,7 +470,7 @@ def _removals(
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and f"{prefix}::{n.name}" in keys
     ]
     for index, node in enumerate(removed):
-        start, end = _first_line(node), node.end_lineno
+        start, end = first_line(node), node.end_lineno
         keep_pass = in_class and len(removed) == len(body) and index == 0
         replacement = " " * node.col_offset + "pass\n" if keep_pass else ""
         original = "".join(lines[start - 1 : end])

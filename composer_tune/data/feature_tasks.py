@@ -12,6 +12,7 @@ Store layout (each source once, tasks as small edits of it)::
 
     <store>/tasks.jsonl                one task per line (see FeatureTask)
     <store>/counts.json                per source repository: candidates found, tasks kept
+                                       (and a model's memorisation: feature_memorisation.py)
     <store>/sources/<repo>.tar.gz      the original repository, filtered (no caches, no VCS)
     <store>/sources/<repo>.LICENSE     its licence, kept beside it
 
