@@ -311,6 +311,30 @@ def test_a_grade_the_sandbox_could_not_run_stops_the_source(
         generate_tasks(tiny, "tinylib-0.1", "0" * 64, settings, progress=lambda line: None)
 
 
+@pytest.mark.parametrize("status", ["timeout", "oom", "sandbox_error"])
+def test_a_change_that_keeps_the_suite_from_reporting_is_rejected(
+    tiny: Path, status: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug that loops forever is the candidate's doing (a rejection); a sandbox that cannot
+    # start is the machine's (the source stops, as on the original's run).
+    real_run_suite = feature_generator.run_suite
+
+    def run_suite(tree: Path, *args, **kwargs):
+        if tree.name.startswith("deleted-"):
+            raise feature_generator.SuiteDidNotReport(status, f"did not report ({status})")
+        return real_run_suite(tree, *args, **kwargs)
+
+    monkeypatch.setattr(feature_generator, "run_suite", run_suite)
+    settings = GenerationSettings(max_candidates=2, workers=1)
+    if status == "sandbox_error":
+        with pytest.raises(GenerationError, match=r"did not report \(sandbox_error\)"):
+            generate_tasks(tiny, "tinylib-0.1", "0" * 64, settings, progress=lambda line: None)
+        return
+    report = generate_tasks(tiny, "tinylib-0.1", "0" * 64, settings, progress=lambda line: None)
+    verdict = f"the suite does not finish with it ({status})"
+    assert report.tasks == [] and report.kinds["feature"].rejected == {verdict: 2}
+
+
 @pytest.mark.parametrize("tree", ["original", "agent"])
 def test_check_counts_a_task_the_sandbox_could_not_grade_as_failed(
     small_store: Path, tree: str, monkeypatch: pytest.MonkeyPatch, capsys

@@ -105,6 +105,15 @@ class GenerationError(ValueError):
     """The repository cannot give tasks (layout, suite); the message says why."""
 
 
+class SuiteDidNotReport(GenerationError):
+    """A suite run ended without its report; ``status`` is the sandbox's ("timeout", "oom",
+    "sandbox_error", ...)."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a repository keeps its package and its tests (paths relative to its root)."""
@@ -262,9 +271,10 @@ def run_suite(
     result = run_python(code, limits=limits, mounts=mounts if jailed else [])
     report = parse_report(result.stdout, nonce)
     if report is None:
-        raise GenerationError(
+        raise SuiteDidNotReport(
+            result.status,
             f"the test suite did not report ({result.status}: {result.detail}): "
-            f"{result.stderr[-800:]}"
+            f"{result.stderr[-800:]}",
         )
     outcomes = {str(k): str(v) for k, v in report["outcomes"].items()}
     errors = tuple(
@@ -698,6 +708,20 @@ def _try_candidates(
     return report
 
 
+def _candidate_suite(
+    tree: Path, layout: Layout, targets: Sequence[str], max_failures: int | None = None
+) -> SuiteResult | str:
+    """run_suite on a candidate's tree, or the verdict when the change keeps the suite from
+    reporting (a loop that never ends, memory, a crash): the candidate's doing, so a rejection.
+    The sandbox failing to start is the machine's, and stops the source as in the baseline."""
+    try:
+        return run_suite(tree, layout, targets, max_failures=max_failures)
+    except SuiteDidNotReport as err:
+        if err.status == "sandbox_error":
+            raise
+        return f"the suite does not finish with it ({err.status})"
+
+
 def _stop_unless_graded(result: HiddenTestsResult, repo: str, candidate: Candidate) -> None:
     """A grade the sandbox could not run says nothing of the candidate: counted as a rejection
     it would make the store depend on the machine's state, and "no hidden test passes without
@@ -743,7 +767,9 @@ def _attempt(
         apply_edits(deleted, [candidate.deletion])
         # Past the allowed failures the candidate is too central: no need to run the rest.
         stop_after = baseline_failures + allowed + 1
-        result = run_suite(deleted, layout, layout.test_files, max_failures=stop_after)
+        result = _candidate_suite(deleted, layout, layout.test_files, max_failures=stop_after)
+        if isinstance(result, str):
+            return result, None
         if result.collection_errors:
             return "the package no longer imports (collection errors)", None
         failing = [node for node in passing if result.outcomes.get(node) != "passed"]
@@ -772,7 +798,9 @@ def _attempt(
         _stop_unless_graded(without, repo, candidate)
         if without.passed:
             return "a hidden test passes without the feature (split grader)", None
-        visible = run_suite(deleted, layout, visible_files)
+        visible = _candidate_suite(deleted, layout, visible_files)
+        if isinstance(visible, str):
+            return visible, None
         expected = [node for node in passing if function_key(node) not in functions]
         broken = [node for node in expected if visible.outcomes.get(node) != "passed"]
         if broken or visible.collection_errors:
