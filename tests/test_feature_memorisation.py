@@ -17,6 +17,7 @@ import torch
 
 from composer_tune.checkpointing import save_hf_checkpoint
 from composer_tune.data import feature_memorisation
+from composer_tune.data.chat_template import ChatTemplateError
 from composer_tune.data.feature_generator import GenerationSettings
 from composer_tune.data.feature_memorisation import (
     deletion_tasks,
@@ -217,6 +218,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         copy_files_from=REPO_ROOT / "tests" / "assets" / "tokenizer",
     )  # fmt: skip
     return directory
+
+
+def test_a_chat_template_without_a_thinking_switch_is_read_at_its_default(
+    smollm2_dir: Path,
+) -> None:
+    # SmolLM2's template has no enable_thinking: asking it for False is an error, so the probe
+    # leaves the switch at the template's default unless --no-thinking says otherwise.
+    model = feature_memorisation.CheckpointModel(smollm2_dir, threads=1)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    assert isinstance(model.reply(messages, 2), str)
+    model.enable_thinking = False
+    with pytest.raises(ChatTemplateError, match="no 'enable_thinking' switch"):
+        model.reply(messages, 2)
 
 
 def test_write_counts_adds_only_the_memorisation_key(

@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store each source's summary in counts.json under 'memorisation'",
     )
+    parser.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="enable_thinking=false in the chat template (Qwen3's non-thinking mode; SmolLM2's "
+        "template has no such switch)",
+    )
     parser.add_argument("--out", type=Path, help="write the measures as JSON here")
     return parser
 
@@ -80,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"error: no Hugging Face checkpoint (config.json) in {args.model_dir}", file=sys.stderr
         )
         return 2
-    model = memo.CheckpointModel(args.model_dir, args.threads, args.context_tokens)
+    model = memo.CheckpointModel(
+        args.model_dir, args.threads, args.context_tokens, enable_thinking=not args.no_thinking
+    )
     try:
         probes, skipped = memo.probe_store(
             model, args.store, args.per_source, max_recall_tokens=args.recall_tokens, progress=print

@@ -105,8 +105,11 @@ class CheckpointModel:
         checkpoint: str | Path,
         threads: int,
         context_tokens: int = RECALL_CONTEXT_TOKENS,
+        enable_thinking: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
+        # The template's default unless asked (SmolLM2's has no switch; Qwen3's does).
+        self.enable_thinking = enable_thinking
         self.model = load_pretrained(checkpoint)
         self.tokenizer = from_pretrained(str(checkpoint))
         self.context_tokens = context_tokens
@@ -123,7 +126,9 @@ class CheckpointModel:
         return self.tokenizer.decode(windowed.output.completions[0], skip_special_tokens=True)
 
     def reply(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int) -> str:
-        prompt = encode_prompts(self.tokenizer, [{"prompt": messages}], enable_thinking=False)
+        prompt = encode_prompts(
+            self.tokenizer, [{"prompt": messages}], enable_thinking=self.enable_thinking
+        )
         return self._greedy(prompt[0], max_new_tokens)
 
     def continuation(self, prefix: str, max_new_tokens: int) -> str:
