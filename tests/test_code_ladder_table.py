@@ -125,3 +125,13 @@ def test_the_command_writes_the_table_plots_and_a_record_that_rebuilds_the_table
     )
     assert again.returncode == 0, again.stderr
     assert again.stdout == done.stdout
+    # The record as a source of the table that rewrites it, beside a new seed of one label.
+    seed1 = _ladder(tmp_path / "s1", _run("a1", 1, None, 0.5))
+    kept = out / "runs.json"
+    joined = _code_ladder(
+        "--arm", f"A1={kept}:A1", "--arm", f"A1={seed1}:a1", "--arm", f"A2={kept}:A2",
+        "--out", str(out),
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stderr
+    assert "| A1 | 2 | 0.400 ± 0.141 |" in joined.stdout
+    assert sorted(json.loads(kept.read_text())["runs"]) == ["A1/seed0", "A1/seed1", "A2/seed0"]

@@ -576,7 +576,12 @@ def test_shipped_store_counts_licences_and_size() -> None:
     assert {p.name for p in (SHIPPED / "sources").iterdir()} == {
         f"{repo}{suffix}" for repo in counts for suffix in (".tar.gz", ".LICENSE")
     }
-    assert len(counts) >= 12 and len(tasks) >= 200
+    assert len(counts) >= 12 and len(tasks) >= 250
+    # A base model's memorisation is measured for every source with deletions to recall
+    # (tools/probe_memorisation.py --write-counts; docs/feature_tasks.md).
+    with_deletions = {task.repo for task in tasks if task.feature.kind != "bug"}
+    probed = {repo for repo, entry in counts.items() if entry.get("memorisation", {}).get("tasks")}
+    assert probed == with_deletions
     assert {task.feature.kind == "bug" for task in tasks} == {True, False}
     size = sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file())
     assert size < 3 * 2**20  # each source once, tasks as edits

@@ -39,7 +39,7 @@ from composer_tune.analysis.code_ladder import (  # noqa: E402
 )
 
 
-def plot(sources: list[ArmSource], name: str, ylabel: str, path: Path) -> None:
+def plot(grouped: dict[str, list[dict]], name: str, ylabel: str, path: Path) -> None:
     """``name`` per step, each arm's mean over the seeds that logged it."""
     import matplotlib
 
@@ -47,7 +47,7 @@ def plot(sources: list[ArmSource], name: str, ylabel: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    for label, runs in runs_by_label(sources).items():
+    for label, runs in grouped.items():
         by_step: dict[int, list[float]] = {}
         for run in runs:
             for step, value in metric(run, name):
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sources = [ArmSource.parse(text) for text in args.arm]
+        # Everything read before anything is written: --out's runs.json may be a source.
         summary, runs, kept = table(sources), per_seed(sources), kept_runs(sources)
+        grouped = runs_by_label(sources)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -86,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             f"## Every run\n\n{runs}\n"
         )
         (args.out / "runs.json").write_text(json.dumps(kept, indent=1) + "\n")
-        plot(sources, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
+        plot(grouped, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
         plot(
-            sources, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png"
+            grouped, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png"
         )
     return 0
 
