@@ -53,6 +53,8 @@ def plot(grouped: dict[str, list[dict]], name: str, ylabel: str, path: Path) -> 
             for step, value in metric(run, name):
                 by_step.setdefault(int(step), []).append(value)
         steps = sorted(by_step)
+        if not steps:  # runs kept without their series (read back from a table)
+            continue
         axes.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=label)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(ylabel)
