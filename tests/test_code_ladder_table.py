@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_tune.analysis.code_ladder import ArmSource, per_seed, table
+from composer_tune.analysis.code_ladder import ArmSource, per_seed, runs_by_label, table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_table_is_the_mean_and_std_over_seeds_and_a0_counts_the_runs_that_measur
     )
     flip = _ladder(tmp_path / "flip", _run("a1", 0, 0.2, 0.05))
     sources = [ArmSource.parse(f"A1={a1}:a1"), ArmSource.parse(f"flipped={flip}:a1")]
-    lines = table(sources).splitlines()
+    lines = table(runs_by_label(sources)).splitlines()
     # A0: step 0 of the two runs that evaluated it (0.1 and 0.2), offsets .00/.01/.02/.03.
     assert lines[2] == (
         "| A0 base model (step 0, measured in 2 of the 3 runs) | – | "
@@ -66,7 +66,7 @@ def test_table_is_the_mean_and_std_over_seeds_and_a0_counts_the_runs_that_measur
         "62.0 ± 0.0 / 0.50 ± 0.00 |"
     )
     assert lines[4] == "| flipped | 1 | 0.050 | 0.060 | 0.070 | 0.080 | 62.0 / 0.50 |"
-    seeds = per_seed(sources).splitlines()
+    seeds = per_seed(runs_by_label(sources)).splitlines()
     assert "| A1 | 0 | 0 | 0.100 | 0.110 | 0.120 | 0.130 | 10 |" in seeds
     assert "| A1 | 1 | 0 | – | – | – | – | 10 |" in seeds  # no step-0 evaluation
 
@@ -74,7 +74,7 @@ def test_table_is_the_mean_and_std_over_seeds_and_a0_counts_the_runs_that_measur
 def test_an_arm_without_a_completed_run_is_named(tmp_path: Path) -> None:
     ladder = _ladder(tmp_path / "a2", _run("a2", 0, 0.1, 0.2, status="running"))
     with pytest.raises(ValueError, match="A2: no completed a2 run"):
-        table([ArmSource.parse(f"A2={ladder}:a2")])
+        runs_by_label([ArmSource.parse(f"A2={ladder}:a2")])
     with pytest.raises(ValueError, match="expected LABEL=PATH:ARM"):
         ArmSource.parse("A2 runs/x")
 
@@ -85,13 +85,13 @@ def test_sources_of_one_label_join_into_one_row_and_a_repeated_seed_is_refused(
     seed0 = _ladder(tmp_path / "s0", _run("a1", 0, 0.1, 0.3))
     seed1 = _ladder(tmp_path / "s1", _run("a1", 1, None, 0.5), _run("a2", 1, None, 0.9))
     joined = [ArmSource.parse(f"A1={seed1}:a1"), ArmSource.parse(f"A1={seed0}:a1")]
-    lines = table(joined).splitlines()
+    lines = table(runs_by_label(joined)).splitlines()
     assert lines[3].startswith("| A1 | 2 | 0.400 ± 0.141 | 0.410 ± 0.141 |"), lines
     assert len(lines) == 4  # one row for the label, the a2 run not read
-    seeds = [line.split(" | ")[1] for line in per_seed(joined).splitlines()[2:]]
+    seeds = [line.split(" | ")[1] for line in per_seed(runs_by_label(joined)).splitlines()[2:]]
     assert seeds == ["0", "0", "1", "1"]  # by seed, whichever source came first
     with pytest.raises(ValueError, match=r"A1: seed\(s\) \[0\] come from more than one source"):
-        table([*joined, ArmSource.parse(f"A1={seed0}:a1")])
+        runs_by_label([*joined, ArmSource.parse(f"A1={seed0}:a1")])
 
 
 def _code_ladder(*args: str) -> subprocess.CompletedProcess:

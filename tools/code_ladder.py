@@ -75,21 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sources = [ArmSource.parse(text) for text in args.arm]
-        # Everything read before anything is written: --out's runs.json may be a source.
-        summary, runs, kept = table(sources), per_seed(sources), kept_runs(sources)
+        # Every source read once, before anything is written: --out's runs.json may be one.
         grouped = runs_by_label(sources)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    summary = table(grouped)
     print(summary)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         command = " ".join(["python tools/code_ladder.py", *(f'--arm "{a}"' for a in args.arm)])
         (args.out / "results.md").write_text(
             f"# The code ladder\n\n`{command} --out {args.out}`\n\n{summary}\n\n"
-            f"## Every run\n\n{runs}\n"
+            f"## Every run\n\n{per_seed(grouped)}\n"
         )
-        (args.out / "runs.json").write_text(json.dumps(kept, indent=1) + "\n")
+        (args.out / "runs.json").write_text(json.dumps(kept_runs(grouped), indent=1) + "\n")
         plot(grouped, REWARD, "training reward (fraction of tests passed)", args.out / "reward.png")
         plot(
             grouped, TRUNCATED, "sampled replies cut at max_new_tokens", args.out / "truncation.png"

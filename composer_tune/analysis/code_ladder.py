@@ -80,11 +80,14 @@ def runs_by_label(sources: Sequence[ArmSource]) -> dict[str, list[dict[str, Any]
     return grouped
 
 
-def kept_runs(sources: Sequence[ArmSource]) -> dict[str, Any]:
+Grouped = Mapping[str, Sequence[Mapping[str, Any]]]  # runs_by_label's: label -> runs by seed
+
+
+def kept_runs(grouped: Grouped) -> dict[str, Any]:
     """Every run the table reads, as a results file whose arm keys are the labels, holding only
     the series in KEPT_SERIES (a few KB per run)."""
     kept = {}
-    for label, runs in runs_by_label(sources).items():
+    for label, runs in grouped.items():
         for run in runs:
             series = run["metrics"][0] if run["metrics"] else {}
             record = {key: value for key, value in run.items() if key != "metrics"}
@@ -137,7 +140,7 @@ def arm_values(runs: Sequence[Mapping[str, Any]], step: int | None) -> dict[str,
     return columns
 
 
-def table(sources: Sequence[ArmSource]) -> str:
+def table(grouped: Grouped) -> str:
     """The markdown table: A0 (step 0 of the runs that evaluated it), then each arm at its last
     evaluation."""
     header = (
@@ -146,7 +149,7 @@ def table(sources: Sequence[ArmSource]) -> str:
         "(last 5 steps) |\n|---|---|---|---|---|---|---|"
     )
     rows, base_runs = [], []
-    for label, runs in runs_by_label(sources).items():
+    for label, runs in grouped.items():
         base_runs += runs
         values = arm_values(runs, None)
         rows.append(
@@ -164,7 +167,7 @@ def table(sources: Sequence[ArmSource]) -> str:
     return "\n".join([header, base_row, *rows])
 
 
-def per_seed(sources: Sequence[ArmSource]) -> str:
+def per_seed(grouped: Grouped) -> str:
     """One line per run: its seed and every held-out figure before and after."""
     lines = [
         "| arm | seed | step | "
@@ -172,7 +175,7 @@ def per_seed(sources: Sequence[ArmSource]) -> str:
         + " | wall (s) |\n|---|---|---|"
         + "---|" * (len(SPLITS) * len(MODES) + 1)
     ]
-    for label, runs in runs_by_label(sources).items():
+    for label, runs in grouped.items():
         for run in runs:
             for step in (0, None):
                 values = arm_values([run], step)
