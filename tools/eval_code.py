@@ -29,6 +29,7 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/eval_code.py` from anywhere
 
 from composer_tune.checkpointing.run_state import MODEL_DIR  # noqa: E402
 from composer_tune.config import EvalSampling  # noqa: E402
+from composer_tune.data.chat_template import add_no_thinking_argument  # noqa: E402
 from composer_tune.data.humaneval import load_humaneval  # noqa: E402
 from composer_tune.data.task_dataset import TaskDataset  # noqa: E402
 from composer_tune.data.tokenizer import from_pretrained  # noqa: E402
@@ -58,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--autocast", default="auto", help="auto, bf16 or none")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a busy CPU)")
     parser.add_argument("--workers", type=int, default=2, help="grader runs at once")
-    parser.add_argument(
-        "--no-thinking",
-        action="store_true",
-        help="enable_thinking=false in the chat template (Qwen3's non-thinking mode; SmolLM2's "
-        "template has no such switch)",
-    )
+    add_no_thinking_argument(parser)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if min(args.max_new_tokens, args.batch_size, args.workers, args.threads or 1) < 1:

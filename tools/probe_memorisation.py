@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer_tune.data import feature_memorisation as memo  # noqa: E402
+from composer_tune.data.chat_template import add_no_thinking_argument  # noqa: E402
 from composer_tune.data.feature_tasks import FeatureTaskError  # noqa: E402
 
 
@@ -66,12 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store each source's summary in counts.json under 'memorisation'",
     )
-    parser.add_argument(
-        "--no-thinking",
-        action="store_true",
-        help="enable_thinking=false in the chat template (Qwen3's non-thinking mode; SmolLM2's "
-        "template has no such switch)",
-    )
+    add_no_thinking_argument(parser)
     parser.add_argument("--out", type=Path, help="write the measures as JSON here")
     return parser
 

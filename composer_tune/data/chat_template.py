@@ -14,6 +14,7 @@ template supports them.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -24,6 +25,17 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+def add_no_thinking_argument(parser: argparse.ArgumentParser) -> None:
+    """A command's ``--no-thinking``: ``enable_thinking=False`` for the chat template, which
+    otherwise stays at its default (a template without the switch refuses False)."""
+    parser.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="enable_thinking=false in the chat template (Qwen3's non-thinking mode; SmolLM2's "
+        "template has no such switch)",
+    )
 
 
 class ChatTemplateError(ValueError):
