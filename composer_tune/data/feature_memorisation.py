@@ -198,12 +198,7 @@ def prefix_recall(continuation: str, reference: str) -> float:
     wanted, written = normalised(reference), normalised(continuation)
     if not wanted:
         return 1.0
-    common = 0
-    for expected, got in zip(wanted, written, strict=False):
-        if expected != got:
-            break
-        common += 1
-    return common / len(wanted)
+    return len(os.path.commonprefix([wanted, written])) / len(wanted)
 
 
 def _reindented(lines: Sequence[str], indent: str) -> str:
