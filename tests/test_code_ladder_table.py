@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from composer_tune.analysis.code_ladder import ArmSource, per_seed, runs_by_label, table
+from composer_tune.analysis.code_ladder import (
+    ArmSource,
+    paired,
+    per_seed,
+    runs_by_label,
+    table,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +100,31 @@ def test_sources_of_one_label_join_into_one_row_and_a_repeated_seed_is_refused(
         runs_by_label([*joined, ArmSource.parse(f"A1={seed0}:a1")])
 
 
+def test_paired_rows_are_per_seed_differences_over_the_seeds_both_arms_ran(
+    tmp_path: Path,
+) -> None:
+    a2 = _ladder(tmp_path / "a2", _run("a2", 0, None, 0.4), _run("a2", 1, None, 0.3))
+    a1 = _ladder(
+        tmp_path / "a1", _run("a1", 0, 0.1, 0.3), _run("a1", 1, None, 0.3), _run("a1", 2, None, 0.9)
+    )
+    grouped = runs_by_label([ArmSource.parse(f"A2={a2}:a2"), ArmSource.parse(f"A1={a1}:a1")])
+    # Seeds 0 and 1 only (A1's seed 2 has no partner): +0.1 and 0.0; the per-column offsets
+    # cancel, so a column paired with the wrong one would show.
+    row = "| A2 − A1 | 0, 1 | " + " | ".join(["+0.050 ± 0.071"] * 4) + " |"
+    assert paired(grouped, "A2", "A1") == row
+    assert paired(grouped, "A1", "A2").startswith("| A1 − A2 | 0, 1 | -0.050 ± 0.071 |")
+    one_seed = runs_by_label([ArmSource.parse(f"A2={a2}:a2"), ArmSource.parse(f"A1={a1}:a1")])
+    one_seed["A2"] = one_seed["A2"][:1]
+    assert paired(one_seed, "A2", "A1").startswith("| A2 − A1 | 0 | +0.100 | +0.100 |")
+    with pytest.raises(ValueError, match="no arm labelled 'A4'"):
+        paired(grouped, "A4", "A1")
+    lone = runs_by_label([ArmSource.parse(f"A1={a1}:a1")])
+    lone["other"] = [run for run in lone["A1"] if run["seed"] == 2]
+    lone["A1"] = lone["A1"][:2]
+    with pytest.raises(ValueError, match="share no seed"):
+        paired(lone, "A1", "other")
+
+
 def _code_ladder(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "tools/code_ladder.py", *args],
@@ -134,4 +165,15 @@ def test_the_command_writes_the_table_plots_and_a_record_that_rebuilds_the_table
     )  # fmt: skip
     assert joined.returncode == 0, joined.stderr
     assert "| A1 | 2 | 0.400 ± 0.141 |" in joined.stdout
+    # A paired row, in the printed table and results.md; an unknown label is an error line.
+    compared = _code_ladder(
+        "--arm", f"A1={kept}:A1", "--arm", f"A2={kept}:A2", "--paired", "A2", "A1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert compared.returncode == 0, compared.stderr
+    row = "| A2 − A1 | 0 | +0.300 | +0.300 | +0.300 | +0.300 |"
+    assert row in compared.stdout and row in (out / "results.md").read_text()
+    assert '--paired "A2" "A1"' in (out / "results.md").read_text()
+    wrong = _code_ladder("--arm", f"A1={kept}:A1", "--paired", "A2", "A1")
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: paired: no arm labelled")
     assert sorted(json.loads(kept.read_text())["runs"]) == ["A1/seed0", "A1/seed1", "A2/seed0"]

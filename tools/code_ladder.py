@@ -12,7 +12,9 @@ held-out parameters, mean ± std over seeds, A0 = step 0; then every run's figur
 ``runs.json`` (every run it read, the series the table and plots need, its arm keys the labels:
 ``--arm "A1 GRPO=OUT/runs.json:A1 GRPO"`` reads it back when the ladder folders are gone) and
 ``reward.png`` / ``truncation.png`` (training reward and truncation per step, each arm's mean
-over the seeds that logged it) into ``--out``, and prints the table.
+over the seeds that logged it) into ``--out``, and prints the table. Each ``--paired FIRST
+SECOND`` adds a row of FIRST's figures minus SECOND's, seed by seed over the seeds both ran
+(mean ± std of the differences): whether a channel helps, with the seed's own luck taken out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from composer_tune.analysis.code_ladder import (  # noqa: E402
     ArmSource,
     kept_runs,
     metric,
+    paired_table,
     per_seed,
     runs_by_label,
     table,
@@ -72,19 +75,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--arm", action="append", required=True, help="LABEL=PATH:ARM")
     parser.add_argument("--out", type=Path, help="folder for results.md and the plots")
+    parser.add_argument(
+        "--paired",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("FIRST", "SECOND"),
+        help="a row of FIRST minus SECOND (two labels), seed by seed",
+    )
     args = parser.parse_args(argv)
     try:
         sources = [ArmSource.parse(text) for text in args.arm]
         # Every source read once, before anything is written: --out's runs.json may be one.
         grouped = runs_by_label(sources)
+        summary = table(grouped)
+        if args.paired:
+            summary += "\n\n## Paired by seed\n\n" + paired_table(grouped, args.paired)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = table(grouped)
     print(summary)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python tools/code_ladder.py", *(f'--arm "{a}"' for a in args.arm)])
+        command = " ".join(
+            [
+                "python tools/code_ladder.py",
+                *(f'--arm "{a}"' for a in args.arm),
+                *(f'--paired "{a}" "{b}"' for a, b in args.paired),
+            ]
+        )
         (args.out / "results.md").write_text(
             f"# The code ladder\n\n`{command} --out {args.out}`\n\n{summary}\n\n"
             f"## Every run\n\n{per_seed(grouped)}\n"

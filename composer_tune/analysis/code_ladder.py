@@ -5,7 +5,9 @@ code ladder is one ladder arm in one or more results files (one ladder per arm a
 side by side), so each source names its file and arm key, and the sources of one label make one
 row. Each cell is mean ± sample std over seeds; A0 is step 0 (the base model), read from every
 run. ``kept_runs`` is the record of every run a table used, in the same format, so that a table
-can be rebuilt from the repository after the ladder folders are gone.
+can be rebuilt from the repository after the ladder folders are gone. ``paired`` compares two
+arms seed by seed: runs of one seed share their tasks' order and sampling seeds, so the per-seed
+difference is the sharper test of whether a channel helps than two rows' means side by side.
 """
 
 from __future__ import annotations
@@ -186,3 +188,46 @@ def per_seed(grouped: Grouped) -> str:
                     f"{run.get('wall_s', float('nan')):.0f} |"
                 )
     return "\n".join(lines)
+
+
+def signed_cell(values: Sequence[float]) -> str:
+    """``+mean ± std`` of differences ("–" when none; the signed value alone for one)."""
+    if not values:
+        return "–"
+    mean = f"{statistics.fmean(values):+.3f}"
+    return mean if len(values) == 1 else f"{mean} ± {statistics.stdev(values):.3f}"
+
+
+def paired(grouped: Grouped, first: str, second: str) -> str:
+    """A table row of ``first`` minus ``second`` at their last evaluations, seed by seed over the
+    seeds both ran: the seeds, then mean ± sample std of the differences per held-out column;
+    ValueError naming a label that is not in ``grouped`` or two arms without a common seed."""
+    for label in (first, second):
+        if label not in grouped:
+            raise ValueError(f"paired: no arm labelled {label!r} (labels: {', '.join(grouped)})")
+    first_runs, second_runs = ({run["seed"]: run for run in grouped[x]} for x in (first, second))
+    seeds = sorted(first_runs.keys() & second_runs.keys())
+    if not seeds:
+        raise ValueError(f"paired: {first!r} and {second!r} share no seed")
+    first_values = arm_values([first_runs[seed] for seed in seeds], None)
+    second_values = arm_values([second_runs[seed] for seed in seeds], None)
+    cells = []
+    for split in SPLITS:
+        for mode in MODES:
+            column = f"{mode}/{split}"
+            differences = [
+                a - b
+                for a, b in zip(first_values[column], second_values[column], strict=True)
+                if a is not None and b is not None
+            ]
+            cells.append(signed_cell(differences))
+    return f"| {first} − {second} | {', '.join(map(str, seeds))} | " + " | ".join(cells) + " |"
+
+
+def paired_table(grouped: Grouped, comparisons: Sequence[tuple[str, str]]) -> str:
+    """The ``paired`` rows of ``comparisons`` under the table's held-out columns."""
+    header = (
+        "| difference | seeds | held-out templates, greedy | held-out templates, sampled | "
+        "held-out params, greedy | held-out params, sampled |\n|---|---|---|---|---|---|"
+    )
+    return "\n".join([header, *(paired(grouped, a, b) for a, b in comparisons)])
