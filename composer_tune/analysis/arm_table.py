@@ -1,13 +1,17 @@
-"""The code ladder's table: held-out pass@1 per arm on each held-out split, from ladder results.
+"""Arms compared across ladders: held-out accuracy per arm, from ``tools/ladder.py`` results.
 
-``tools/ladder.py`` writes ``results.json`` (every metric series of every run). An arm of the
-code ladder is one ladder arm in one or more results files (one ladder per arm and seed, run
-side by side), so each source names its file and arm key, and the sources of one label make one
-row. Each cell is mean ± sample std over seeds; A0 is step 0 (the base model), read from every
-run. ``kept_runs`` is the record of every run a table used, in the same format, so that a table
-can be rebuilt from the repository after the ladder folders are gone. ``paired`` compares two
-arms seed by seed: runs of one seed share their tasks' order and sampling seeds, so the per-seed
-difference is the sharper test of whether a channel helps than two rows' means side by side.
+``tools/ladder.py`` writes ``results.json`` (every metric series of every run). A row of this
+table is one ladder arm in one or more results files (ladders run side by side, one per arm and
+seed, or the same arm under different overrides: an optimizer, a staleness), so each source
+names its file and arm key, and the sources of one label make one row. The held-out columns are
+the evaluation series the runs logged: greedy (``eval/accuracy``) and sampled
+(``eval_sampled/accuracy``), whole or per split (``eval/accuracy/heldout_templates``: the code
+ladder's). Each cell is mean ± sample std over seeds at the last evaluation; A0 is step 0 (the
+base model), read from every run that evaluated it. ``kept_runs`` is the record of every run a
+table used, in the same format, so that a table can be rebuilt from the repository after the
+ladder folders are gone. ``paired`` compares two arms seed by seed: runs of one seed share their
+tasks' order and sampling seeds, so the per-seed difference is the sharper test of whether a
+change helps than two rows' means side by side.
 """
 
 from __future__ import annotations
@@ -20,18 +24,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SPLITS = ("heldout_templates", "heldout_params")
-MODES = {"greedy": "eval/accuracy/", "sampled": "eval_sampled/accuracy/"}
+MODES = {"greedy": "eval/accuracy", "sampled": "eval_sampled/accuracy"}
+# Splits in this order first (the code ladder's), any other after them by name.
+KNOWN_SPLITS = ("heldout_templates", "heldout_params")
 # Sampled training replies: mean length and the share cut off at max_new_tokens.
 LENGTH, TRUNCATED, REWARD = "completion_length/mean", "truncation_rate", "reward/mean"
 LAST_STEPS = 5  # reply length and truncation are averaged over the last steps
-# The series a kept record holds: everything the table and the plots read.
-KEPT_SERIES = (
-    *(prefix + split for prefix in MODES.values() for split in SPLITS),
-    LENGTH,
-    TRUNCATED,
-    REWARD,
-)
+TRAINING_SERIES = (LENGTH, TRUNCATED, REWARD)
+
+
+@dataclass(frozen=True, order=True)
+class Column:
+    """A held-out column: ``split`` None for a whole-set series (``eval/accuracy``)."""
+
+    split: str | None
+    mode: str
+
+    @property
+    def series(self) -> str:
+        prefix = MODES[self.mode]
+        return prefix if self.split is None else f"{prefix}/{self.split}"
+
+    @property
+    def title(self) -> str:
+        where = "held-out" if self.split is None else self.split.replace("heldout_", "held-out ")
+        return f"{where.replace('_', ' ')}, {self.mode}"
+
+
+def _column_of(name: str) -> Column | None:
+    for mode, prefix in MODES.items():
+        if name == prefix:
+            return Column(None, mode)
+        if name.startswith(prefix + "/"):
+            return Column(name.removeprefix(prefix + "/"), mode)
+    return None
+
+
+def is_kept(name: str) -> bool:
+    """Whether a series is one the tables and plots read (kept in runs.json)."""
+    return name in TRAINING_SERIES or _column_of(name) is not None
 
 
 @dataclass(frozen=True)
@@ -87,14 +118,14 @@ Grouped = Mapping[str, Sequence[Mapping[str, Any]]]  # runs_by_label's: label ->
 
 def kept_runs(grouped: Grouped) -> dict[str, Any]:
     """Every run the table reads, as a results file whose arm keys are the labels, holding only
-    the series in KEPT_SERIES (a few KB per run)."""
+    the series ``is_kept`` names (a few KB per run)."""
     kept = {}
     for label, runs in grouped.items():
         for run in runs:
             series = run["metrics"][0] if run["metrics"] else {}
             record = {key: value for key, value in run.items() if key != "metrics"}
             record["arm"] = label
-            record["metrics"] = [{name: series[name] for name in KEPT_SERIES if name in series}]
+            record["metrics"] = [{name: points for name, points in series.items() if is_kept(name)}]
             kept[f"{label}/seed{run['seed']}"] = record
     return {"runs": kept}
 
@@ -102,6 +133,30 @@ def kept_runs(grouped: Grouped) -> dict[str, Any]:
 def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
     """A run's series ``[[step, value], ...]`` of ``name`` (replica 0's)."""
     return run["metrics"][0].get(name, []) if run["metrics"] else []
+
+
+def columns(grouped: Grouped) -> list[Column]:
+    """The held-out columns the runs logged: by split (the whole set first, then KNOWN_SPLITS,
+    then the rest by name), greedy before sampled."""
+    found = {
+        column
+        for runs in grouped.values()
+        for run in runs
+        for name in (run["metrics"][0] if run["metrics"] else {})
+        if (column := _column_of(name)) is not None
+    }
+
+    def order(column: Column) -> tuple[int, str, int]:
+        rank = (
+            -1
+            if column.split is None
+            else KNOWN_SPLITS.index(column.split)
+            if column.split in KNOWN_SPLITS
+            else len(KNOWN_SPLITS)
+        )
+        return rank, column.split or "", list(MODES).index(column.mode)
+
+    return sorted(found, key=order)
 
 
 def at_step(series: Sequence[Sequence[float]], step: int | None) -> float | None:
@@ -130,61 +185,55 @@ def cell(values: Sequence[float | None], digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {statistics.stdev(present):.{digits}f}"
 
 
-def arm_values(runs: Sequence[Mapping[str, Any]], step: int | None) -> dict[str, list]:
-    """Per column, one value per run: accuracy on each split and mode, reply length and
-    truncation over the last steps (at ``step``: the held-out ones only)."""
-    columns: dict[str, list] = {}
-    for mode, prefix in MODES.items():
-        for split in SPLITS:
-            columns[f"{mode}/{split}"] = [at_step(metric(r, prefix + split), step) for r in runs]
-    columns["reply_tokens"] = [last_steps_mean(metric(r, LENGTH)) for r in runs]
-    columns["truncated"] = [last_steps_mean(metric(r, TRUNCATED)) for r in runs]
-    return columns
+def heldout_values(
+    runs: Sequence[Mapping[str, Any]], shown: Sequence[Column], step: int | None
+) -> list[list[float | None]]:
+    """Per column, one value per run at ``step`` (None: the last evaluation)."""
+    return [[at_step(metric(run, column.series), step) for run in runs] for column in shown]
+
+
+def header(shown: Sequence[Column], before: Sequence[str], after: Sequence[str] = ()) -> str:
+    """A markdown table's header: ``before``, the held-out columns' titles, ``after``."""
+    titles = [*before, *(column.title for column in shown), *after]
+    return "| " + " | ".join(titles) + " |\n|" + "---|" * len(titles)
 
 
 def table(grouped: Grouped) -> str:
     """The markdown table: A0 (step 0 of the runs that evaluated it), then each arm at its last
-    evaluation."""
-    header = (
-        "| arm | seeds | held-out templates, greedy | held-out templates, sampled | "
-        "held-out params, greedy | held-out params, sampled | reply tokens / truncated "
-        "(last 5 steps) |\n|---|---|---|---|---|---|---|"
-    )
+    evaluation, its reply length and truncation over the last steps and its wall time."""
+    shown = columns(grouped)
+    after = ["reply tokens / truncated (last 5 steps)", "wall / run (s)"]
     rows, base_runs = [], []
     for label, runs in grouped.items():
         base_runs += runs
-        values = arm_values(runs, None)
+        length = [last_steps_mean(metric(run, LENGTH)) for run in runs]
+        truncated = [last_steps_mean(metric(run, TRUNCATED)) for run in runs]
         rows.append(
             f"| {label} | {len(runs)} | "
-            + " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
-            + f" | {cell(values['reply_tokens'], 1)} / {cell(values['truncated'], 2)} |"
+            + " | ".join(cell(values) for values in heldout_values(runs, shown, None))
+            + f" | {cell(length, 1)} / {cell(truncated, 2)} | "
+            + f"{cell([run.get('wall_s') for run in runs], 0)} |"
         )
-    base = arm_values(base_runs, 0)
-    measured = sum(value is not None for value in base[f"{next(iter(MODES))}/{SPLITS[0]}"])
+    base = heldout_values(base_runs, shown, 0)
+    measured = max((sum(v is not None for v in values) for values in base), default=0)
     base_row = (
         f"| A0 base model (step 0, measured in {measured} of the {len(base_runs)} runs) | – | "
-        + " | ".join(cell(base[f"{m}/{s}"]) for s in SPLITS for m in MODES)
-        + " | |"
+        + " | ".join(cell(values) for values in base)
+        + " | | |"
     )
-    return "\n".join([header, base_row, *rows])
+    return "\n".join([header(shown, ["arm", "seeds"], after), base_row, *rows])
 
 
 def per_seed(grouped: Grouped) -> str:
     """One line per run: its seed and every held-out figure before and after."""
-    lines = [
-        "| arm | seed | step | "
-        + " | ".join(f"{s} {m}" for s in SPLITS for m in MODES)
-        + " | wall (s) |\n|---|---|---|"
-        + "---|" * (len(SPLITS) * len(MODES) + 1)
-    ]
+    shown = columns(grouped)
+    lines = [header(shown, ["arm", "seed", "step"], ["wall (s)"])]
     for label, runs in grouped.items():
         for run in runs:
             for step in (0, None):
-                values = arm_values([run], step)
-                shown = "0" if step == 0 else "last"
-                figures = " | ".join(cell(values[f"{m}/{s}"]) for s in SPLITS for m in MODES)
+                figures = " | ".join(cell(values) for values in heldout_values([run], shown, step))
                 lines.append(
-                    f"| {label} | {run['seed']} | {shown} | {figures} | "
+                    f"| {label} | {run['seed']} | {'0' if step == 0 else 'last'} | {figures} | "
                     f"{run.get('wall_s', float('nan')):.0f} |"
                 )
     return "\n".join(lines)
@@ -209,25 +258,19 @@ def paired(grouped: Grouped, first: str, second: str) -> str:
     seeds = sorted(first_runs.keys() & second_runs.keys())
     if not seeds:
         raise ValueError(f"paired: {first!r} and {second!r} share no seed")
-    first_values = arm_values([first_runs[seed] for seed in seeds], None)
-    second_values = arm_values([second_runs[seed] for seed in seeds], None)
-    cells = []
-    for split in SPLITS:
-        for mode in MODES:
-            column = f"{mode}/{split}"
-            differences = [
-                a - b
-                for a, b in zip(first_values[column], second_values[column], strict=True)
-                if a is not None and b is not None
-            ]
-            cells.append(signed_cell(differences))
+    shown = columns(grouped)
+    first_values = heldout_values([first_runs[seed] for seed in seeds], shown, None)
+    second_values = heldout_values([second_runs[seed] for seed in seeds], shown, None)
+    cells = [
+        signed_cell(
+            [a - b for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None]
+        )
+        for ours, theirs in zip(first_values, second_values, strict=True)
+    ]
     return f"| {first} − {second} | {', '.join(map(str, seeds))} | " + " | ".join(cells) + " |"
 
 
 def paired_table(grouped: Grouped, comparisons: Sequence[tuple[str, str]]) -> str:
     """The ``paired`` rows of ``comparisons`` under the table's held-out columns."""
-    header = (
-        "| difference | seeds | held-out templates, greedy | held-out templates, sampled | "
-        "held-out params, greedy | held-out params, sampled |\n|---|---|---|---|---|---|"
-    )
-    return "\n".join([header, *(paired(grouped, a, b) for a, b in comparisons)])
+    rows = [paired(grouped, a, b) for a, b in comparisons]
+    return "\n".join([header(columns(grouped), ["difference", "seeds"]), *rows])
