@@ -105,8 +105,11 @@ def test_the_columns_are_the_evaluations_the_runs_logged(tmp_path: Path) -> None
     )
     kept = kept_runs(grouped)["runs"]["sync/seed0"]["metrics"][0]
     assert list(kept) == ["eval/accuracy"]
-    # The code ladder's splits, templates before parameters, greedy before sampled.
-    code = _ladder(tmp_path / "code", _run("a1", 0, 0.1, 0.3))
+    # The code ladder's splits, templates before parameters, greedy before sampled; the whole
+    # set's series (their mixture) not shown beside them.
+    mixed = _run("a1", 0, 0.1, 0.3)
+    mixed["metrics"][0]["eval/accuracy"] = [[40, 0.9]]
+    code = _ladder(tmp_path / "code", mixed)
     header = table(runs_by_label([ArmSource.parse(f"A1={code}:a1")])).splitlines()[0]
     assert header.startswith(
         "| arm | seeds | held-out templates, greedy | held-out templates, sampled | "

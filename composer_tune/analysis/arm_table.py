@@ -136,8 +136,9 @@ def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
 
 
 def columns(grouped: Grouped) -> list[Column]:
-    """The held-out columns the runs logged: by split (the whole set first, then KNOWN_SPLITS,
-    then the rest by name), greedy before sampled."""
+    """The held-out columns the runs logged: by split (KNOWN_SPLITS first, then the rest by
+    name), greedy before sampled; the whole set only where no run logged a split (it is then
+    their mixture, which the splits' columns already show)."""
     found = {
         column
         for runs in grouped.values()
@@ -145,16 +146,13 @@ def columns(grouped: Grouped) -> list[Column]:
         for name in (run["metrics"][0] if run["metrics"] else {})
         if (column := _column_of(name)) is not None
     }
+    if any(column.split is not None for column in found):
+        found = {column for column in found if column.split is not None}
 
     def order(column: Column) -> tuple[int, str, int]:
-        rank = (
-            -1
-            if column.split is None
-            else KNOWN_SPLITS.index(column.split)
-            if column.split in KNOWN_SPLITS
-            else len(KNOWN_SPLITS)
-        )
-        return rank, column.split or "", list(MODES).index(column.mode)
+        split = column.split or ""
+        rank = KNOWN_SPLITS.index(split) if split in KNOWN_SPLITS else len(KNOWN_SPLITS)
+        return rank, split, list(MODES).index(column.mode)
 
     return sorted(found, key=order)
 
