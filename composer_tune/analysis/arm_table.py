@@ -33,7 +33,7 @@ LAST_STEPS = 5  # reply length and truncation are averaged over the last steps
 TRAINING_SERIES = (LENGTH, TRUNCATED, REWARD)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Column:
     """A held-out column: ``split`` None for a whole-set series (``eval/accuracy``)."""
 
@@ -116,23 +116,29 @@ def runs_by_label(sources: Sequence[ArmSource]) -> dict[str, list[dict[str, Any]
 Grouped = Mapping[str, Sequence[Mapping[str, Any]]]  # runs_by_label's: label -> runs by seed
 
 
+def all_series(run: Mapping[str, Any]) -> Mapping[str, list[list[float]]]:
+    """A run's metric series by name (replica 0's; none for a run that logged nothing)."""
+    return run["metrics"][0] if run["metrics"] else {}
+
+
 def kept_runs(grouped: Grouped) -> dict[str, Any]:
     """Every run the table reads, as a results file whose arm keys are the labels, holding only
     the series ``is_kept`` names (a few KB per run)."""
     kept = {}
     for label, runs in grouped.items():
         for run in runs:
-            series = run["metrics"][0] if run["metrics"] else {}
             record = {key: value for key, value in run.items() if key != "metrics"}
             record["arm"] = label
-            record["metrics"] = [{name: points for name, points in series.items() if is_kept(name)}]
+            record["metrics"] = [
+                {name: points for name, points in all_series(run).items() if is_kept(name)}
+            ]
             kept[f"{label}/seed{run['seed']}"] = record
     return {"runs": kept}
 
 
 def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
     """A run's series ``[[step, value], ...]`` of ``name`` (replica 0's)."""
-    return run["metrics"][0].get(name, []) if run["metrics"] else []
+    return all_series(run).get(name, [])
 
 
 def columns(grouped: Grouped) -> list[Column]:
@@ -143,7 +149,7 @@ def columns(grouped: Grouped) -> list[Column]:
         column
         for runs in grouped.values()
         for run in runs
-        for name in (run["metrics"][0] if run["metrics"] else {})
+        for name in all_series(run)
         if (column := _column_of(name)) is not None
     }
     if any(column.split is not None for column in found):
