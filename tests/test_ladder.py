@@ -31,6 +31,10 @@ import pytest
 import yaml
 
 from composer_tune.analysis.metrics_log import parse_metric_lines, read_metrics, series
+from composer_tune.config import load_recipe_config
+from composer_tune.ladder import arms as ladder_arms
+from composer_tune.ladder import report as ladder_report
+from composer_tune.ladder import runs as ladder_runs
 from tests.recipe_runs import REPO_ROOT, RecipeRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -102,7 +106,7 @@ def _args(tmp_path: Path, *extra: str):
 
 
 def _sft_cfg():
-    return ladder.load_recipe_config(REPO_ROOT / ladder.SFT_RECIPE, "cpu_smoke", [])
+    return load_recipe_config(REPO_ROOT / ladder_runs.SFT_RECIPE, "cpu_smoke", [])
 
 
 def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
@@ -111,7 +115,7 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
         *("--arms", "a1", "diloco", "--seeds", "0", "1", "2", "--steps", "8"),
         *("--eval-every", "2", "--diloco-sync-every", "2"),
     )
-    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
+    runs = ladder_runs.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
     rng = random.Random(1)
     truth: dict[str, dict] = {}  # run key -> what its logs say
     results = {"runs": {}}
@@ -135,7 +139,7 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
             _write_log(log_dir, lines)
             replicas.append((reward, sampled))
         truth[run.key] = {"accuracy": accuracy, "replicas": replicas, "wall": rng.uniform(5, 50)}
-        results["runs"][run.key] = ladder.run_record(run, 0, truth[run.key]["wall"])
+        results["runs"][run.key] = ladder_runs.run_record(run, 0, truth[run.key]["wall"])
 
     # Tokens: each replica's logged running total at the step, summed over replicas.
     def sampled_by(step: int, replica: tuple) -> int:
@@ -147,21 +151,21 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
         assert record["status"] == "ok"
         assert record["generated_tokens"] == expected
         # Accuracy at equal tokens: each evaluation against the tokens logged at or before it.
-        by_tokens = ladder.accuracy_by_tokens(record)
+        by_tokens = ladder_report.accuracy_by_tokens(record)
         assert by_tokens == [
             [sum(sampled_by(step, replica) for replica in truth[key]["replicas"]), accuracy]
             for step, accuracy in sorted(truth[key]["accuracy"].items())
         ]
         assert by_tokens[0][0] == 0  # nothing sampled before the first evaluation
 
-    report = ladder.report_steps(8, 2)
+    report = ladder_report.report_steps(8, 2)
     assert report == [0, 4, 8]
-    table = ladder.table_rows(results, ["a1", "diloco"], report)
+    table = ladder_report.table_rows(results, ["a1", "diloco"], report)
     assert table[0].startswith("| arm | held-out acc @ step 0 | held-out acc @ step 4 |")
     for row, arm, seeds in ((table[2], "a1", [0, 1, 2]), (table[3], "diloco", [0, 1])):
         keys = [f"{arm}/seed{seed}" for seed in seeds]
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        expected_cells = [ladder.ARMS[arm].title]
+        expected_cells = [ladder_arms.ARMS[arm].title]
         for step in report:
             mean, std = _mean_std_by_hand([truth[k]["accuracy"][step] for k in keys])
             expected_cells.append(f"{mean:.3f} ± {std:.3f}")
@@ -176,8 +180,8 @@ def test_table_and_bands_equal_values_computed_by_hand(tmp_path: Path) -> None:
 
     # The reward band: per step, replicas averaged within a run, then mean ± std over seeds.
     keys = ["diloco/seed0", "diloco/seed1"]
-    steps, means, stds = ladder.band_series(
-        [ladder.reward_series(results["runs"][k]) for k in keys]
+    steps, means, stds = ladder_report.band_series(
+        [ladder_report.reward_series(results["runs"][k]) for k in keys]
     )
     assert steps == list(range(1, 9))
     for step, mean, std in zip(steps, means, stds, strict=True):
@@ -191,7 +195,7 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
     each run over its finite steps, then mean ± std over seeds; A1 gets no row; the plot is
     written."""
     args = _args(tmp_path, "--arms", "a1", "a4", "--seeds", "0", "1", "--steps", "3")
-    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
+    runs = ladder_runs.plan_runs(args, ["warm_start.output_dir=/nowhere"], _sft_cfg())
     rng = random.Random(2)
     logged: dict[str, dict[str, list[float]]] = {}  # A4 run key -> metric -> value per step
     results = {"settings": {"arms": ["a1", "a4"]}, "runs": {}}
@@ -212,7 +216,7 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
         _write_log(run.log_dirs()[0], lines)
         if run.arm.key == "a4":
             logged[run.key] = values
-        results["runs"][run.key] = ladder.run_record(run, 0, 1.0)
+        results["runs"][run.key] = ladder_runs.run_record(run, 0, 1.0)
 
     def cell(name: str) -> str:
         averages = []
@@ -222,12 +226,12 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
         mean, std = _mean_std_by_hand(averages)
         return f"{mean:.3f} ± {std:.3f}"
 
-    rows = ladder.channel_gradient_rows(results, ["a1", "a4"])
+    rows = ladder_report.channel_gradient_rows(results, ["a1", "a4"])
     assert len(rows) == 4  # header, rule, and A4's two channels: A1 logged none
     for row, channel in zip(rows[2:], ("dpo", "policy"), strict=True):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells == [
-            ladder.ARMS["a4"].title,
+            ladder_arms.ARMS["a4"].title,
             channel,
             cell(f"grad_norm/{channel}"),
             cell(f"grad_share/{channel}"),
@@ -236,8 +240,8 @@ def test_channel_gradient_table_and_plot_equal_values_computed_by_hand(tmp_path:
             cell("grad_norm"),
             "2",
         ]
-    assert ladder.channel_gradient_rows(results, ["a1"]) == []
-    written = ladder.write_plots(results, tmp_path, ladder.require_matplotlib())
+    assert ladder_report.channel_gradient_rows(results, ["a1"]) == []
+    written = ladder_report.write_plots(results, tmp_path, ladder_report.require_matplotlib())
     assert tmp_path / "channel_gradients.png" in written
     assert (tmp_path / "channel_gradients.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -250,34 +254,34 @@ def test_tokens_at_a_logging_cadence_coarser_than_the_evaluations() -> None:
         {"tokens/generated": [[1, 5.0], [2, 9.0], [4, 20.0], [8, 41.0]]},
         {"reward/mean": [[1, 0.5]]},
     ]
-    assert ladder.generated_tokens(replicas) == 70.0 + 41.0
-    assert ladder.generated_tokens(replicas, until=5) == 30.0 + 20.0
+    assert ladder_runs.generated_tokens(replicas) == 70.0 + 41.0
+    assert ladder_runs.generated_tokens(replicas, until=5) == 30.0 + 20.0
     record = {"metrics": replicas}
-    assert ladder.accuracy_by_tokens(record) == [[0.0, 0.1], [50.0, 0.2]]
+    assert ladder_report.accuracy_by_tokens(record) == [[0.0, 0.1], [50.0, 0.2]]
 
 
 def test_report_steps_and_single_seed_cells() -> None:
-    assert ladder.report_steps(12, 4) == [0, 4, 12]  # the last evaluation at or before 6
-    assert ladder.report_steps(2, 2) == [0, 2]
-    assert ladder.fmt_mean_std([0.25], 3) == "0.250"
-    assert ladder.fmt_mean_std([], 3) == "–"
+    assert ladder_report.report_steps(12, 4) == [0, 4, 12]  # the last evaluation at or before 6
+    assert ladder_report.report_steps(2, 2) == [0, 2]
+    assert ladder_report.fmt_mean_std([0.25], 3) == "0.250"
+    assert ladder_report.fmt_mean_std([], 3) == "–"
 
 
 def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> None:
     # An SFT config whose held-out set and task differ from every arm's own cpu_smoke config.
-    sft_cfg = ladder.load_recipe_config(
-        REPO_ROOT / ladder.SFT_RECIPE,
+    sft_cfg = load_recipe_config(
+        REPO_ROOT / ladder_runs.SFT_RECIPE,
         "cpu_smoke",
         ["eval_dataset.num_samples=32", "eval_dataset.seed=5", "dataset.max_digits=3"],
     )
-    args = _args(tmp_path, "--arms", *ladder.ARMS)
-    runs = ladder.plan_runs(args, ["warm_start.output_dir=/nowhere"], sft_cfg)
-    assert sorted({run.arm.key for run in runs}) == sorted(ladder.ARMS)
+    args = _args(tmp_path, "--arms", *ladder_arms.ARMS)
+    runs = ladder_runs.plan_runs(args, ["warm_start.output_dir=/nowhere"], sft_cfg)
+    assert sorted({run.arm.key for run in runs}) == sorted(ladder_arms.ARMS)
     # The recipes log their token counts at whatever cadence the config logs: none is forced.
     assert not [o for run in runs for o in run.overrides if o.startswith("logging.log_every")]
     sft_yaml = yaml.safe_load((REPO_ROOT / "recipes/configs/sft/cpu_smoke.yaml").read_text())
     expected = {**sft_yaml["eval_dataset"], "num_samples": 32, "seed": 5}
-    assert ladder.heldout_set(runs) == expected
+    assert ladder_runs.heldout_set(runs) == expected
     for run in runs:
         own = yaml.safe_load(
             (
@@ -292,7 +296,7 @@ def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> 
 def test_overrides_go_to_every_arm_or_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    per_arm = ladder.split_overrides(
+    per_arm = ladder_runs.split_overrides(
         ["optimizer.lr=1e-5", "a2:sdpo.weight=0.5", "a1:dpo.pairs=http://host:1/p"], ["a1", "a2"]
     )
     assert per_arm == {
@@ -300,9 +304,9 @@ def test_overrides_go_to_every_arm_or_one(
         "a2": ["optimizer.lr=1e-5", "sdpo.weight=0.5"],
     }
     with pytest.raises(ValueError, match="arm 'a3' is not in this ladder"):
-        ladder.split_overrides(["a3:x=1"], ["a1"])
+        ladder_runs.split_overrides(["a3:x=1"], ["a1"])
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
-        ladder.split_overrides(["optimizer.lr"], ["a1"])
+        ladder_runs.split_overrides(["optimizer.lr"], ["a1"])
 
     # An arm-only override of the held-out set, and a key a recipe does not take, are refused
     # before anything runs (no warm start is trained).
@@ -322,10 +326,10 @@ def test_ablation_arms_are_a4_with_one_channel_off_whatever_the_overrides(tmp_pa
     config but for that weight."""
     args = _args(
         tmp_path,
-        *("--arms", "a4", *ladder.ABLATION_ARMS, "--seeds", "0", "--steps", "2"),
+        *("--arms", "a4", *ladder_arms.ABLATION_ARMS, "--seeds", "0", "--steps", "2"),
         *("--override", "sdpo.weight=0.5", "--override", "a4_no_dpo:optimizer.lr=2e-5"),
     )
-    runs = {run.arm.key: run for run in ladder.plan_runs(args, [], _sft_cfg())}
+    runs = {run.arm.key: run for run in ladder_runs.plan_runs(args, [], _sft_cfg())}
     for key, weight in (("a4_no_policy", "loss"), ("a4_no_sdpo", "sdpo"), ("a4_no_dpo", "dpo")):
         command = runs[key].command()
         assert command[2] == "recipes/composer_full.py"
@@ -348,7 +352,7 @@ def test_contribution_table_equals_values_computed_by_hand(tmp_path: Path) -> No
     rng = random.Random(5)
     results = {"settings": {"arms": arms, "steps": 4}, "runs": {}}
     truth: dict[str, dict[str, list[float]]] = {key: {} for key in arms}
-    for run in ladder.plan_runs(args, [], _sft_cfg()):
+    for run in ladder_runs.plan_runs(args, [], _sft_cfg()):
         values = {
             "accuracy": rng.random(),
             "tokens": rng.randint(1000, 5000),
@@ -365,17 +369,17 @@ def test_contribution_table_equals_values_computed_by_hand(tmp_path: Path) -> No
         lines.append(f"Step 4 | eval/accuracy:{values['accuracy']} ")
         _write_log(run.log_dirs()[0], lines)
         failed = run.key == "a4_no_dpo/seed1"
-        results["runs"][run.key] = ladder.run_record(run, 1 if failed else 0, 1.0)
+        results["runs"][run.key] = ladder_runs.run_record(run, 1 if failed else 0, 1.0)
         if not failed:
             for name, value in values.items():
                 truth[run.arm.key].setdefault(name, []).append(value)
 
-    rows = ladder.contribution_rows(results, arms)
+    rows = ladder_report.contribution_rows(results, arms)
     assert rows[0].startswith("| arm | channel left out | held-out acc @ step 4 |")
     digits = {"accuracy": 3, "tokens": 0, "length": 1, "truncated": 2}
     for row, key in zip(rows[2:], arms, strict=True):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        expected = [ladder.ARMS[key].title, ladder.ARMS[key].without or "–"]
+        expected = [ladder_arms.ARMS[key].title, ladder_arms.ARMS[key].without or "–"]
         for name, places in digits.items():
             own = truth[key][name]
             if len(own) > 1:
@@ -390,11 +394,11 @@ def test_contribution_table_equals_values_computed_by_hand(tmp_path: Path) -> No
                 expected.append(f"{change:+.{places}f}")
         expected.append(str(len(truth[key]["accuracy"])))
         assert cells == expected
-    assert ladder.contribution_rows(results, ["a1", "a4"]) == []  # no ablation arm
-    assert "## What each A4 channel adds" in ladder.render_markdown(
+    assert ladder_report.contribution_rows(results, ["a1", "a4"]) == []  # no ablation arm
+    assert "## What each A4 channel adds" in ladder_report.render_markdown(
         {**results, "settings": {**results["settings"], **_settings(arms)}}
     )
-    written = ladder.write_plots(results, tmp_path, ladder.require_matplotlib())
+    written = ladder_report.write_plots(results, tmp_path, ladder_report.require_matplotlib())
     for name in ("completion_length.png", "truncation.png"):
         assert tmp_path / name in written
 
@@ -493,7 +497,7 @@ def fake_tune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     script = tmp_path / "fake_tune"
     script.write_text(FAKE_TUNE.format(python=sys.executable))
     script.chmod(0o755)
-    monkeypatch.setattr(ladder, "TUNE", str(script))
+    monkeypatch.setattr(ladder_runs, "TUNE", str(script))
     calls = tmp_path / "calls.txt"
     monkeypatch.setenv("FAKE_TUNE_CALLS", str(calls))
     return calls
@@ -609,19 +613,19 @@ def test_a_run_whose_ladder_died_with_it_resumes_instead_of_being_deleted(
     holds the run as running, and the next ladder resumes its checkpoint, logs kept."""
     out, argv = _a1_ladder_argv(tmp_path, "0")
     monkeypatch.setenv("FAKE_TUNE_KILL_AT_STEP", "2")
-    real_run_logged = ladder.run_logged
+    real_run_logged = ladder_runs.run_logged
 
     def ladder_dies_after_the_run(*args, **kwargs):
         real_run_logged(*args, **kwargs)
         raise SystemExit("the ladder is killed")
 
-    monkeypatch.setattr(ladder, "run_logged", ladder_dies_after_the_run)
+    monkeypatch.setattr(ladder_runs, "run_logged", ladder_dies_after_the_run)
     with pytest.raises(SystemExit):
         ladder.main(argv)
     left = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
     assert left["status"] == "running" and left["returncode"] is None
 
-    monkeypatch.setattr(ladder, "run_logged", real_run_logged)
+    monkeypatch.setattr(ladder_runs, "run_logged", real_run_logged)
     monkeypatch.delenv("FAKE_TUNE_KILL_AT_STEP")
     assert ladder.main(argv) == 0
     record = json.loads((out / "results.json").read_text())["runs"]["a1/seed0"]
@@ -702,7 +706,7 @@ def test_ladder_end_to_end_through_the_cli(sft_warm_start: RecipeRun, tmp_path: 
         assert [step for step, _ in accuracy] == [0, 2]
         # Same weights, same held-out set: the warm start's own last score.
         assert accuracy[0][1] == warm_start_accuracy
-        title = ladder.ARMS[key.split("/")[0]].title
+        title = ladder_arms.ARMS[key.split("/")[0]].title
         assert f"| {title} | {accuracy[0][1]:.3f} | {accuracy[1][1]:.3f} |" in markdown
         # The policy loss's count of completion tokens, over every step of every replica.
         logged = [value for d in log_dirs for _, value in series(read_metrics(d), "num_tokens")]
@@ -796,17 +800,17 @@ def test_results_with_another_budget_cadence_heldout_set_or_warm_start_do_not_co
     }
     first = {"settings": {**settings, "arms": ["a1"]}, "warm_start": {"path": "/sft"}, "runs": {}}
     second = {**first, "settings": {**settings, "arms": ["a2"]}}
-    assert ladder.settings_clash(first, second) is None
-    assert ladder.combine_results([first, second], [Path("a"), Path("b")])["runs"] == {}
+    assert ladder_report.settings_clash(first, second) is None
+    assert ladder_report.combine_results([first, second], [Path("a"), Path("b")])["runs"] == {}
     for key, value in {"steps": 9, "eval_every": 4, "heldout": {"num_samples": 32}}.items():
         other = {**second, "settings": {**second["settings"], key: value}}
-        assert ladder.settings_clash(first, other) == key
+        assert ladder_report.settings_clash(first, other) == key
         with pytest.raises(ValueError, match=f"^b: {key} .* differs from a's"):
-            ladder.combine_results([first, other], [Path("a"), Path("b")])
+            ladder_report.combine_results([first, other], [Path("a"), Path("b")])
     other = {**second, "warm_start": {"path": "/elsewhere"}}
-    assert ladder.settings_clash(first, other) == "warm_start"
+    assert ladder_report.settings_clash(first, other) == "warm_start"
     with pytest.raises(ValueError, match="^b: another warm start than a's"):
-        ladder.combine_results([first, other], [Path("a"), Path("b")])
+        ladder_report.combine_results([first, other], [Path("a"), Path("b")])
 
 
 def test_an_arms_command_leaves_out_only_what_differs_per_seed() -> None:
@@ -814,7 +818,20 @@ def test_an_arms_command_leaves_out_only_what_differs_per_seed() -> None:
         return {f"x/seed{i}": {"arm": "x", "command": c} for i, c in enumerate(commands)}
 
     recipe = ["tune", "run", "r.py", "--config", "c", "output_dir=/o/x_seed3", "seed=3", "lr=1"]
-    assert ladder.arm_command(runs(recipe), "x") == ["tune", "run", "r.py", "--config", "c", "lr=1"]
+    assert ladder_report.arm_command(runs(recipe), "x") == [
+        "tune",
+        "run",
+        "r.py",
+        "--config",
+        "c",
+        "lr=1",
+    ]
     peer = ["python", "peer.py", "--steps", "4", "--seed", "2", "--out", "/o", "k=v"]
-    assert ladder.arm_command(runs(peer), "x") == ["python", "peer.py", "--steps", "4", "k=v"]
-    assert ladder.arm_command(runs(peer), "other") is None
+    assert ladder_report.arm_command(runs(peer), "x") == [
+        "python",
+        "peer.py",
+        "--steps",
+        "4",
+        "k=v",
+    ]
+    assert ladder_report.arm_command(runs(peer), "other") is None
