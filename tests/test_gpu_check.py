@@ -21,6 +21,11 @@ from types import ModuleType
 import pytest
 import torch
 
+from composer_tune.gpu_check import parity
+from composer_tune.gpu_check.common import PartResult, Settings
+from composer_tune.gpu_check.muon import muon_layers
+from composer_tune.gpu_check.report import PART_FUNCTIONS
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.py"
 PARTS = ("parity", "memory", "speed", "sampling", "peer", "muon", "async")
@@ -151,7 +156,7 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
 ) -> None:
     out, _ = dry_run
     shutil.copy(out / "report.json", tmp_path / "report.json")
-    build_ours = gpu_check.build_ours
+    build_ours = parity.build_ours
 
     def broken(checkpoint: Path, device: torch.device, backend: str) -> torch.nn.Module:
         model = build_ours(checkpoint, device, backend)
@@ -160,8 +165,8 @@ def test_a_failing_part_is_reported_fail_and_exits_nonzero(
             final_norm.mul_(1.5)  # a mis-loaded final norm
         return model
 
-    monkeypatch.setattr(gpu_check, "build_ours", broken)
-    monkeypatch.setattr(gpu_check, "PARITY_FAMILIES", {"qwen3": gpu_check.PARITY_FAMILIES["qwen3"]})
+    monkeypatch.setattr(parity, "build_ours", broken)
+    monkeypatch.setattr(parity, "PARITY_FAMILIES", {"qwen3": parity.PARITY_FAMILIES["qwen3"]})
     status = gpu_check.main(
         ["--device", "cpu", "--tiny", "--part", "parity", "--out-dir", str(tmp_path)]
     )
@@ -186,10 +191,10 @@ def test_a_raising_part_is_an_error_and_the_next_part_still_runs(
         raise RuntimeError("an API that differs on this torch")
 
     def passes(settings: object) -> object:
-        return gpu_check.PartResult(columns=[("x", "x", "")], rows=[{"x": 1, "status": "PASS"}])
+        return PartResult(columns=[("x", "x", "")], rows=[{"x": 1, "status": "PASS"}])
 
-    monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "memory", raises)
-    monkeypatch.setitem(gpu_check.PART_FUNCTIONS, "speed", passes)
+    monkeypatch.setitem(PART_FUNCTIONS, "memory", raises)
+    monkeypatch.setitem(PART_FUNCTIONS, "speed", passes)
     status = gpu_check.main(
         ["--device", "cpu", "--part", "memory", "speed", "--out-dir", str(tmp_path)]
     )
@@ -243,9 +248,9 @@ def test_muon_part_sizes_qwen3_8b_to_the_card(
         full = qwen3_8b().config
     layers = {}
     for capacity in (79.2, 139.8):
-        monkeypatch.setattr(gpu_check.Settings, "device_gib", lambda self, c=capacity: c)
-        settings = gpu_check.Settings(torch.device("cpu"), False, None, None)
-        layers[capacity] = gpu_check.muon_layers(settings)
+        monkeypatch.setattr(Settings, "device_gib", lambda self, c=capacity: c)
+        settings = Settings(torch.device("cpu"), False, None, None)
+        layers[capacity] = muon_layers(settings)
         args = dataclasses.replace(full, num_layers=layers[capacity])
         assert 8 * memory.count_params(args) / 2**30 <= 0.7 * capacity
     assert layers[139.8] == 36 and 0 < layers[79.2] < 36
