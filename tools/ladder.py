@@ -72,7 +72,6 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # First on the path, from any working directory: the schemas are read from this repository's
@@ -86,9 +85,8 @@ from composer_tune.ladder.arms import ABLATION_ARMS, ARMS, DEFAULT_ARMS  # noqa:
 from composer_tune.ladder.report import (  # noqa: E402
     accuracy_series,
     combine_results,
-    render_markdown,
     require_matplotlib,
-    write_plots,
+    save,
 )
 from composer_tune.ladder.runs import (  # noqa: E402
     SFT_RECIPE,
@@ -203,14 +201,6 @@ def subprocess_env(omp_threads: int) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(omp_threads)
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def save(results: dict[str, Any], out: Path, plt: Any | None) -> None:
-    """results.json (atomically), results.md and the plots, from everything finished so far."""
-    write_json_atomic(out / "results.json", results)
-    (out / "results.md").write_text(render_markdown(results))
-    if plt is not None:
-        write_plots(results, out, plt)
 
 
 def imported_checkout() -> Path:

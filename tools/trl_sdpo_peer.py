@@ -19,7 +19,7 @@ metrics go to a DiskLogger log, as a recipe writes them (``eval/accuracy``, ``re
 ``tokens/generated``: the completion tokens TRL sampled so far, counted from the completion mask
 TRL hands its ``on_teacher_context_built`` callback, end-of-turn token included as the recipes
 count it; plus TRL's own logged metrics under their names), and the run goes into
-``<out>/results.json`` in the ladder's format as arm ``trl_sdpo`` (``tools/ladder.py``'s
+``<out>/results.json`` in the ladder's format as arm ``trl_sdpo`` (``composer_tune/ladder/arms.py``'s
 PEER_ARMS), so ``ladder.py --combine`` puts it beside the ladder's arms (the ladder must have run
 the same ``--steps``, ``--eval-every`` and held-out set, from the same checkpoint: with
 ``--sft-config none``). The run's files: ``<out>/runs/trl_sdpo_seed<k>/`` (``logs/``, the
@@ -97,6 +97,14 @@ from bench.bench_grpo_vs_trl import trl_prompt_ids  # noqa: E402
 from composer_tune import config  # noqa: E402
 from composer_tune.checkpointing.hf_checkpoint import hf_to_decoder_state_dict  # noqa: E402
 from composer_tune.distributed import setup_distributed  # noqa: E402
+from composer_tune.ladder.arms import PEER_ARMS  # noqa: E402
+from composer_tune.ladder.report import save, settings_clash  # noqa: E402
+from composer_tune.ladder.runs import (  # noqa: E402
+    PlannedRun,
+    collect_metrics,
+    generated_tokens,
+    load_results,
+)
 from composer_tune.models.build import resolve_autocast  # noqa: E402
 from composer_tune.rewards.functions import RewardFunctions, ScoringBatch  # noqa: E402
 from composer_tune.rollout import encode_prompts  # noqa: E402
@@ -112,7 +120,6 @@ from composer_tune.run.loop import (  # noqa: E402
     steps_per_generation_batch,
 )
 from composer_tune.run.state import RunProgress  # noqa: E402
-from tools import ladder  # noqa: E402
 
 ARM = "trl_sdpo"
 RECIPE = REPO_ROOT / "recipes" / "sdpo.py"
@@ -347,10 +354,10 @@ def results_of(
         "heldout": OmegaConf.to_container(cfg.eval_dataset, resolve=True),
     }
     warm_start = {"path": str(cfg.checkpoint.initial_checkpoint)}
-    results = ladder.load_results(out / "results.json")
+    results = load_results(out / "results.json")
     if results["runs"]:
         earlier = results["settings"]
-        clash = ladder.settings_clash(results, {"settings": settings, "warm_start": warm_start})
+        clash = settings_clash(results, {"settings": settings, "warm_start": warm_start})
         if clash == "warm_start":
             raise ValueError(f"{out} holds runs from another checkpoint: use another --out")
         if clash:
@@ -417,8 +424,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(
             f"median optimizer step: {median:.1f} s ({args.threads} thread(s), evaluations apart)"
         )
-    planned = ladder.PlannedRun(ladder.PEER_ARMS[ARM], cfg.seed, run_dir, list(argv), CONFIG)
-    metrics = ladder.collect_metrics(planned)
+    planned = PlannedRun(PEER_ARMS[ARM], cfg.seed, run_dir, list(argv), CONFIG)
+    metrics = collect_metrics(planned)
     record = {
         "arm": ARM,
         "seed": cfg.seed,
@@ -427,7 +434,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "wall_s": time.perf_counter() - start,
         "log": str(run_dir / "logs"),
         "metrics": metrics,
-        "generated_tokens": ladder.generated_tokens(metrics),
+        "generated_tokens": generated_tokens(metrics),
         "status": "ok",
         "trl_version": trl.__version__,
         "threads": args.threads,
@@ -438,7 +445,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with config.setup_errors_as_one_line():
         results = results_of(args.out, cfg, argv, record)
     args.out.mkdir(parents=True, exist_ok=True)
-    ladder.save(results, args.out, None)
+    save(results, args.out, None)
     print(f"results: {args.out / 'results.json'} ({args.out / 'results.md'})", flush=True)
     return 0
 

@@ -24,7 +24,7 @@ from composer_tune.ladder.arms import (
     TITLED_ARMS,
     TRUNCATED,
 )
-from composer_tune.ladder.runs import generated_tokens
+from composer_tune.ladder.runs import generated_tokens, write_json_atomic
 
 # ------------------------------------------------------------------------------ aggregation
 
@@ -537,3 +537,11 @@ def combine_results(parts: Sequence[dict[str, Any]], sources: Sequence[Path]) ->
 
 
 # ------------------------------------------------------------------------------ main
+
+
+def save(results: dict[str, Any], out: Path, plt: Any | None) -> None:
+    """results.json (atomically), results.md and the plots, from everything finished so far."""
+    write_json_atomic(out / "results.json", results)
+    (out / "results.md").write_text(render_markdown(results))
+    if plt is not None:
+        write_plots(results, out, plt)
