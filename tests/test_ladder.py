@@ -33,6 +33,7 @@ import yaml
 from composer_tune.analysis.metrics_log import parse_metric_lines, read_metrics, series
 from composer_tune.config import load_recipe_config
 from composer_tune.ladder import arms as ladder_arms
+from composer_tune.ladder import figures as ladder_figures
 from composer_tune.ladder import report as ladder_report
 from composer_tune.ladder import runs as ladder_runs
 from tests.recipe_runs import REPO_ROOT, RecipeRun
@@ -263,8 +264,9 @@ def test_tokens_at_a_logging_cadence_coarser_than_the_evaluations() -> None:
 def test_report_steps_and_single_seed_cells() -> None:
     assert ladder_report.report_steps(12, 4) == [0, 4, 12]  # the last evaluation at or before 6
     assert ladder_report.report_steps(2, 2) == [0, 2]
-    assert ladder_report.fmt_mean_std([0.25], 3) == "0.250"
-    assert ladder_report.fmt_mean_std([], 3) == "–"
+    assert ladder_figures.fmt_mean_std([0.25], 3) == "0.250"
+    assert ladder_figures.fmt_mean_std([], 3) == "–"
+    assert ladder_figures.fmt_mean_std([None, 0.25, None], 3) == "0.250"  # runs without one
 
 
 def test_every_arm_gets_the_warm_starts_heldout_set_and_task(tmp_path: Path) -> None:

@@ -36,16 +36,15 @@ if str(REPO_ROOT) not in sys.path:  # `python tools/compare_arms.py` from anywhe
     sys.path.insert(0, str(REPO_ROOT))
 
 from composer_tune.analysis.arm_table import (  # noqa: E402
-    REWARD,
-    TRUNCATED,
     ArmSource,
     kept_runs,
-    metric,
     paired_table,
     per_seed,
     runs_by_label,
     table,
 )
+from composer_tune.ladder.arms import REWARD, TRUNCATED  # noqa: E402
+from composer_tune.ladder.figures import metric  # noqa: E402
 
 
 def plot(grouped: dict[str, list[dict]], name: str, ylabel: str, path: Path) -> None:

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODES = {"greedy": "eval/accuracy", "sampled": "eval_sampled/accuracy"}
+from composer_tune.ladder.arms import ACCURACY, LENGTH, REWARD, TRUNCATED
+from composer_tune.ladder.figures import all_series, fmt_mean_std, metric, value_at
+
+MODES = {"greedy": ACCURACY, "sampled": "eval_sampled/accuracy"}
 # Splits in this order first (the code ladder's), any other after them by name.
 KNOWN_SPLITS = ("heldout_templates", "heldout_params")
-# Sampled training replies: mean length and the share cut off at max_new_tokens.
-LENGTH, TRUNCATED, REWARD = "completion_length/mean", "truncation_rate", "reward/mean"
 LAST_STEPS = 5  # reply length and truncation are averaged over the last steps
 TRAINING_SERIES = (LENGTH, TRUNCATED, REWARD)
 
@@ -116,11 +117,6 @@ def runs_by_label(sources: Sequence[ArmSource]) -> dict[str, list[dict[str, Any]
 Grouped = Mapping[str, Sequence[Mapping[str, Any]]]  # runs_by_label's: label -> runs by seed
 
 
-def all_series(run: Mapping[str, Any]) -> Mapping[str, list[list[float]]]:
-    """A run's metric series by name (replica 0's; none for a run that logged nothing)."""
-    return run["metrics"][0] if run["metrics"] else {}
-
-
 def kept_runs(grouped: Grouped) -> dict[str, Any]:
     """Every run the table reads, as a results file whose arm keys are the labels, holding only
     the series ``is_kept`` names (a few KB per run)."""
@@ -134,11 +130,6 @@ def kept_runs(grouped: Grouped) -> dict[str, Any]:
             ]
             kept[f"{label}/seed{run['seed']}"] = record
     return {"runs": kept}
-
-
-def metric(run: Mapping[str, Any], name: str) -> list[list[float]]:
-    """A run's series ``[[step, value], ...]`` of ``name`` (replica 0's)."""
-    return all_series(run).get(name, [])
 
 
 def columns(grouped: Grouped) -> list[Column]:
@@ -165,28 +156,14 @@ def columns(grouped: Grouped) -> list[Column]:
 
 def at_step(series: Sequence[Sequence[float]], step: int | None) -> float | None:
     """The value logged at ``step`` (None: the last one), or None."""
-    if not series:
-        return None
     if step is None:
-        return series[-1][1]
-    found = [value for at, value in series if at == step]
-    return found[-1] if found else None
+        return series[-1][1] if series else None
+    return value_at(series, step)
 
 
 def last_steps_mean(series: Sequence[Sequence[float]], count: int = LAST_STEPS) -> float | None:
     finite = [value for _, value in series[-count:] if math.isfinite(value)]
     return statistics.fmean(finite) if finite else None
-
-
-def cell(values: Sequence[float | None], digits: int = 3) -> str:
-    """``mean ± std`` over the values present ("–" when none; the mean alone for one)."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return "–"
-    mean = statistics.fmean(present)
-    if len(present) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {statistics.stdev(present):.{digits}f}"
 
 
 def heldout_values(
@@ -214,15 +191,15 @@ def table(grouped: Grouped) -> str:
         truncated = [last_steps_mean(metric(run, TRUNCATED)) for run in runs]
         rows.append(
             f"| {label} | {len(runs)} | "
-            + " | ".join(cell(values) for values in heldout_values(runs, shown, None))
-            + f" | {cell(length, 1)} / {cell(truncated, 2)} | "
-            + f"{cell([run.get('wall_s') for run in runs], 0)} |"
+            + " | ".join(fmt_mean_std(values, 3) for values in heldout_values(runs, shown, None))
+            + f" | {fmt_mean_std(length, 1)} / {fmt_mean_std(truncated, 2)} | "
+            + f"{fmt_mean_std([run.get('wall_s') for run in runs], 0)} |"
         )
     base = heldout_values(base_runs, shown, 0)
     measured = max((sum(v is not None for v in values) for values in base), default=0)
     base_row = (
         f"| A0 base model (step 0, measured in {measured} of the {len(base_runs)} runs) | – | "
-        + " | ".join(cell(values) for values in base)
+        + " | ".join(fmt_mean_std(values, 3) for values in base)
         + " | | |"
     )
     return "\n".join([header(shown, ["arm", "seeds"], after), base_row, *rows])
@@ -235,7 +212,9 @@ def per_seed(grouped: Grouped) -> str:
     for label, runs in grouped.items():
         for run in runs:
             for step in (0, None):
-                figures = " | ".join(cell(values) for values in heldout_values([run], shown, step))
+                figures = " | ".join(
+                    fmt_mean_std(values, 3) for values in heldout_values([run], shown, step)
+                )
                 lines.append(
                     f"| {label} | {run['seed']} | {'0' if step == 0 else 'last'} | {figures} | "
                     f"{run.get('wall_s', float('nan')):.0f} |"

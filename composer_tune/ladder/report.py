@@ -24,39 +24,16 @@ from composer_tune.ladder.arms import (
     TITLED_ARMS,
     TRUNCATED,
 )
+from composer_tune.ladder.figures import fmt_mean_std, mean_std, metric, value_at
 from composer_tune.ladder.runs import generated_tokens, write_json_atomic
 
 # ------------------------------------------------------------------------------ aggregation
-
-
-def value_at(points: Sequence[Sequence[float]], step: int) -> float | None:
-    """The value a series logged at ``step`` (the last one, if several), else None."""
-    found = [value for at, value in points if at == step]
-    return found[-1] if found else None
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
-    """Mean and sample standard deviation (n - 1; None for a single value)."""
-    if not values:
-        raise ValueError("mean_std of no values")
-    std = statistics.stdev(values) if len(values) > 1 else None
-    return statistics.fmean(values), std
 
 
 def report_steps(steps: int, eval_every: int) -> list[int]:
     """The steps the table reports: 0, the last evaluation at or before steps/2, and the final."""
     mid = (steps // 2) // eval_every * eval_every
     return sorted({0, mid, steps})
-
-
-def fmt_mean_std(values: Sequence[float], digits: int) -> str:
-    """A table cell: "mean ± std", the mean alone for one value, "–" for none."""
-    if not values:
-        return "–"
-    mean, std = mean_std(values)
-    if std is None:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def ok_records(results: dict[str, Any], arm: str) -> list[dict[str, Any]]:
@@ -69,7 +46,7 @@ def ok_records(results: dict[str, Any], arm: str) -> list[dict[str, Any]]:
 
 def accuracy_series(record: dict[str, Any]) -> list[list[float]]:
     """Held-out accuracy of a run (DiLoCo: replica 0's, which evaluates the global weights)."""
-    return record["metrics"][0].get(ACCURACY, []) if record["metrics"] else []
+    return metric(record, ACCURACY)
 
 
 def accuracy_by_tokens(record: dict[str, Any]) -> list[list[float]]:
@@ -142,7 +119,7 @@ def table_rows(results: dict[str, Any], arms: Sequence[str], steps: Sequence[int
         at_step: list[float | None] = []
         for step in steps:
             at_step = [value_at(accuracy_series(r), step) for r in records]
-            cells.append(fmt_mean_std([v for v in at_step if v is not None], 3))
+            cells.append(fmt_mean_std(at_step, 3))
         cells.append(fmt_standard_error([v for v in at_step if v is not None], 3))
         cells.append(fmt_mean_std([r["wall_s"] for r in records], 0))
         cells.append(fmt_mean_std([r["generated_tokens"] for r in records], 0))
@@ -170,8 +147,8 @@ def channel_gradient_rows(results: dict[str, Any], arms: Sequence[str]) -> list[
             cells = [TITLED_ARMS[key].title, channel]
             for prefix in (CHANNEL_NORM, CHANNEL_SHARE, EOS_PUSH, EOS_SHARE):
                 averages = [run_average(replica_mean_series(r, prefix + channel)) for r in records]
-                cells.append(fmt_mean_std([v for v in averages if v is not None], 3))
-            cells.append(fmt_mean_std([v for v in step_norms if v is not None], 3))
+                cells.append(fmt_mean_std(averages, 3))
+            cells.append(fmt_mean_std(step_norms, 3))
             cells.append(str(len(records)))
             rows.append("| " + " | ".join(cells) + " |")
     if not rows:
